@@ -1,0 +1,37 @@
+# make demo   set up .venv and run the main job on this machine (CPU is fine)
+# make test   set up .venv and run the whole test suite
+# Both create/update .venv themselves and install pinned dependencies (constraints.txt, torch==2.13.0).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gpufleet-installed
+# A CPU wheel of torch 2.13.0 lies here on the project's machines; elsewhere pip uses PyPI.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP_FLAGS := --disable-pip-version-check --progress-bar off $(FIND_LINKS) -c constraints.txt
+
+.PHONY: demo test venv lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gpufleet check examples/quickstart.yaml
+	$(VENV)/bin/gpufleet config examples/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+bench: $(STAMP)
+	$(PY) bench/startup.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

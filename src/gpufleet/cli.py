@@ -1,0 +1,83 @@
+"""gpufleet command line: parse, then call one function per verb.
+
+    gpufleet check JOB [--set s.f=v ...] [--gpus SPEC]     every problem at once; exit 2 if any error
+    gpufleet config JOB [--set ...] [--format table|yaml|json]   resolved job with the source of each value
+    gpufleet train JOB [--set ...]                         train (one process, or torchrun for N)
+
+User errors print one clear line and exit 2; `check`/`config` import no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from gpufleet.errors import EXIT_USER_ERROR, UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpufleet", description="Take an RL post-training job from one GPU to many."
+    )
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+
+    def job_verb(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument("job", help="the job file (YAML)")
+        sp.add_argument(
+            "--set",
+            dest="sets",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
+            help="override one field (repeatable; wins over the file and GPUFLEET_* env)",
+        )
+        return sp
+
+    c = job_verb("check", "check every rule of a job before anything loads; exit 2 on any error")
+    c.add_argument(
+        "--gpus",
+        default="auto",
+        metavar="SPEC",
+        help="hardware to check against: auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB",
+    )
+    c = job_verb("config", "print the resolved job and where each value came from")
+    c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Entry point. Returns the exit code (0 ok, 2 user error)."""
+    env = os.environ if env is None else env
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed a one-line usage error
+        return EXIT_USER_ERROR if e.code not in (0, None) else 0
+    if args.version:
+        from gpufleet import __version__
+
+        print(f"gpufleet {__version__}")
+        return 0
+    if not args.verb:
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        if args.verb == "check":
+            from gpufleet.commands import check
+
+            return check(args.job, args.sets, args.gpus, env)
+        if args.verb == "config":
+            from gpufleet.commands import show_config
+
+            return show_config(args.job, args.sets, args.format, env)
+    except UserError as e:
+        print(f"gpufleet: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("gpufleet: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled verb {args.verb}")  # pragma: no cover

@@ -1,0 +1,107 @@
+"""The `check` and `config` verbs: resolve, check, print. No torch import."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+
+import yaml
+
+from gpufleet.config.load import Resolved, dump_job, load_job
+from gpufleet.config.problems import Problem, format_value
+from gpufleet.config.schema import SECTIONS
+from gpufleet.errors import EXIT_USER_ERROR
+
+
+def render_problems(problems: list[Problem]) -> str:
+    order = sorted(problems, key=lambda p: p.severity != "error")
+    return "\n".join(p.render() for p in order)
+
+
+def summary(problems: list[Problem]) -> str:
+    errors = sum(p.severity == "error" for p in problems)
+    warnings = len(problems) - errors
+    if not problems:
+        return "ok: no problems found."
+    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}."
+
+
+def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
+    """`gpufleet check`: print every problem with its fix; exit 2 when any is an error."""
+    from gpufleet.config.checks import generation_batch, run_checks
+    from gpufleet.hardware import resolve_hardware
+
+    hw = resolve_hardware(gpus, env)
+    r = load_job(job, sets, env)
+    problems, ctx = run_checks(r, hw, env)
+    print(f"gpufleet check {job}")
+    print(f"  hardware: {hw.describe()}")
+    print(f"  world:    {ctx.topo.describe()}; {ctx.topo.world_size} process(es)")
+    m = ctx.model
+    if m is not None:
+        print(
+            f"  model:    {r.job.model.path} ({m.model_type}, {m.num_attention_heads} heads, "
+            f"{m.num_key_value_heads} KV heads, {m.max_position_embeddings} positions)"
+        )
+    t, g = r.job.train, r.job.algorithm.num_generations
+    total = generation_batch(ctx)
+    print(
+        f"  batch:    generation batch {total} = {t.per_device_batch} per device x {ctx.topo.policy_ranks} "
+        f"policy ranks x {t.steps_per_generation} steps; {g} generations per prompt; "
+        f"micro-batch {t.micro_batch} ({max(t.per_device_batch // max(t.micro_batch or 1, 1), 1)} accumulation steps)"
+    )
+    if problems:
+        print(render_problems(problems))
+    print(summary(problems))
+    return EXIT_USER_ERROR if any(p.severity == "error" for p in problems) else 0
+
+
+def show_config(job: str, sets: Sequence[str], fmt: str, env: Mapping[str, str]) -> int:
+    """`gpufleet config`: the resolved job with the source of every value."""
+    r = load_job(job, sets, env)
+    if fmt == "json":
+        data = dump_job(r)
+        out = {
+            s: {f: {"value": v, "source": str(r.source(f"{s}.{f}"))} for f, v in fields.items()}
+            for s, fields in data.items()
+        }
+        print(json.dumps(out, indent=2))
+    elif fmt == "yaml":
+        print(render_yaml(r))
+    else:
+        print(render_table(r))
+    if r.problems:
+        print(render_problems(r.problems), file=sys.stderr)
+        print(summary(r.problems) + " (values above fell back to a lower layer)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+def render_yaml(r: Resolved) -> str:
+    """A valid job file of the resolved values, each line commented with its source."""
+    data = dump_job(r)
+    lines = [
+        f"# resolved by gpufleet config from {r.job_path}" if r.job_path else "# resolved by gpufleet config"
+    ]
+    for section in SECTIONS:
+        lines.append(f"{section}:")
+        for name, value in data[section].items():
+            text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+            text = text.removesuffix("\n...").removesuffix("...").strip()
+            lines.append(f"  {name}: {text}  # {r.source(f'{section}.{name}')}")
+    return "\n".join(lines)
+
+
+def render_table(r: Resolved) -> str:
+    data = dump_job(r)
+    rows = [
+        (f"{s}.{f}", format_value(v), str(r.source(f"{s}.{f}")))
+        for s, fields in data.items()
+        for f, v in fields.items()
+    ]
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = min(max(len(b) for _, b, _ in rows), 40)
+    out = [f"{'field'.ljust(w0)}  {'value'.ljust(w1)}  source", "-" * (w0 + w1 + 12)]
+    out += [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows]
+    return "\n".join(out)

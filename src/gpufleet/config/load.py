@@ -1,0 +1,338 @@
+"""Resolve a job from its layers and remember where every value came from.
+
+Layers, lowest to highest: built-in defaults < job file < environment `GPUFLEET_<SECTION>__<FIELD>`
+< flags `--set section.field=value`. Then `algorithm.name` fills the algorithm fields still unset
+(source "preset"), and `train.micro_batch` unset becomes `train.per_device_batch` (source "derived").
+
+Bad values do not stop resolution: each one becomes a `Problem` and the field falls back to the next
+lower layer, so `gpufleet check` can report every problem at once. Only an unreadable job file
+raises `UserError` straight away.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from gpufleet.config.presets import PRESETS
+from gpufleet.config.problems import DEFAULT, FieldRef, Problem, Source, format_value
+from gpufleet.config.schema import SECTIONS, Job, field_paths
+from gpufleet.errors import UserError
+
+ENV_PREFIX = "GPUFLEET_"
+_NULLS = ("null", "none", "~")
+
+
+@dataclass
+class Resolved:
+    """A resolved job, the source of each `section.field`, and the problems met while resolving."""
+
+    job: Job
+    sources: dict[str, Source]
+    problems: list[Problem] = field(default_factory=list)
+    job_path: Path | None = None
+
+    def value(self, path: str) -> Any:
+        section, name = path.split(".", 1)
+        return getattr(getattr(self.job, section), name)
+
+    def source(self, path: str) -> Source:
+        return self.sources.get(path, DEFAULT)
+
+    def ref(self, path: str) -> FieldRef:
+        return FieldRef(path, self.value(path), self.source(path))
+
+    def how_to_set(self, path: str, value: Any) -> str:
+        """The override to suggest: a flag (it wins over every other layer)."""
+        return f"--set {path}={format_value(value).replace(' ', '')}"
+
+
+def load_job(
+    job_path: str | os.PathLike | None,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Resolved:
+    """Resolve defaults < file < env < flags into a `Resolved` job (see the module docstring)."""
+    env = os.environ if env is None else env
+    problems: list[Problem] = []
+    layers: list[dict[str, tuple[Any, Source]]] = []  # lowest first
+    path = Path(job_path) if job_path is not None else None
+    if path is not None:
+        layers.append(_file_layer(path, problems))
+    layers.append(_env_layer(env, problems))
+    layers.append(_flag_layer(sets, problems))
+
+    sources: dict[str, Source] = {}
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        # Candidates per field, highest layer first.
+        candidates: dict[str, list[tuple[Any, Source]]] = {}
+        for layer in reversed(layers):
+            for key, (value, src) in layer.items():
+                sec, fld = key.split(".", 1)
+                if sec == name:
+                    candidates.setdefault(fld, []).append((value, src))
+        sections[name], chosen = _validate_section(name, cls, candidates, problems)
+        sources.update({f"{name}.{f}": src for f, src in chosen.items()})
+
+    job = Job(**sections)
+    resolved = Resolved(job=job, sources=sources, problems=problems, job_path=path)
+    _apply_presets(resolved)
+    return resolved
+
+
+def _validate_section(name, cls, candidates, problems):
+    """Validate with the highest candidate of each field; a rejected value falls back a layer."""
+    while True:
+        values = {f: c[0][0] for f, c in candidates.items() if c}
+        try:
+            return cls(**values), {f: c[0][1] for f, c in candidates.items() if c}
+        except ValidationError as err:
+            bad: dict[str, list[dict]] = {}
+            for e in err.errors():
+                if e["loc"] and isinstance(e["loc"][0], str) and e["loc"][0] in candidates:
+                    bad.setdefault(e["loc"][0], []).append(e)
+            if not bad:  # pragma: no cover - every field error has a location
+                raise
+            for fld, e in bad.items():
+                value, src = candidates[fld].pop(0)
+                problems.append(_value_problem(f"{name}.{fld}", cls.model_fields[fld], value, src, e))
+
+
+def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict]) -> Problem:
+    """A rejected value: say what the field accepts, with the nearest choice when it is a typo."""
+    msg = " or ".join(dict.fromkeys(str(e.get("msg", "invalid value")).rstrip(".") for e in errors))
+    annotation = str(info.annotation)
+    choices = _literal_choices(info.annotation)
+    # What the non-choice part of the type accepts ("a whole number", "a value greater than 0", ...).
+    typed = [_expected(annotation, str(e.get("msg", ""))) for e in errors if e.get("type") != "literal_error"]
+    accepts = ([f"one of {', '.join(choices)}"] if choices else []) + list(dict.fromkeys(typed))
+    fix = ""
+    if choices and isinstance(value, str):
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+        if close:
+            fix = f"did you mean {close[0]!r}? ({_how(path, close[0], src)})"
+    if not fix:
+        default = info.get_default(call_default_factory=True)
+        allowed = " or ".join(accepts) or "a valid value"
+        if default is None:
+            fix = f"use {allowed}, or remove it to leave it unset (the default)"
+        else:
+            fix = f"use {allowed}; the default is {format_value(default)} ({_how(path, default, src)})"
+    return Problem("error", [FieldRef(path, value, src)], msg + ".", fix)
+
+
+def _expected(annotation: str, msg: str) -> str:
+    if "greater than" in msg or "less than" in msg:
+        return "a value " + msg.split("Input should be ", 1)[-1].rstrip(".")
+    if "list" in annotation:
+        return "a list such as 0,1,2"
+    if "int" in annotation:
+        return "a whole number"
+    if "float" in annotation:
+        return "a number"
+    if "bool" in annotation:
+        return "true or false"
+    return "a string"
+
+
+def _how(path: str, value: Any, src: Source) -> str:
+    text = format_value(value).replace(" ", "")
+    if src.kind == "env":
+        return f"{src.detail}={text}"
+    if src.kind == "file":
+        return f"in {src.detail}: {path.split('.', 1)[1]}: {format_value(value)}"
+    return f"--set {path}={text}"
+
+
+def _literal_choices(annotation) -> list[str]:
+    """String choices of a Literal field, also inside `Literal[...] | X` and Annotated."""
+    from typing import Literal, get_args, get_origin
+
+    found: list[str] = []
+
+    def walk(tp):
+        if get_origin(tp) is Literal:
+            found.extend(a for a in get_args(tp) if isinstance(a, str))
+        else:
+            for arg in get_args(tp):
+                walk(arg)
+
+    walk(annotation)
+    return found
+
+
+# ----------------------------------------------------------------------------------------- layers
+
+
+def _unknown_key(key: str, src: Source, section: str | None) -> Problem:
+    """An unknown key with a "did you mean": the same section first, then any section."""
+    paths = field_paths()
+    suggestion = None
+    if section is None:
+        options = list(SECTIONS) + paths + [p.split(".", 1)[1] for p in paths]
+        match = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+        if match:
+            suggestion = match[0] if match[0] in SECTIONS or "." in match[0] else _owner(match[0])
+        what = f"unknown section {key!r}"
+        known = f"sections are {', '.join(SECTIONS)}"
+        shown = key
+    else:
+        fields = list(SECTIONS[section].model_fields)
+        scored = [(_ratio(key, f), 1, f"{section}.{f}") for f in fields]
+        scored += [(_ratio(key, p.split(".", 1)[1]), 0, p) for p in paths if not p.startswith(section + ".")]
+        score, _, best = max(scored)
+        suggestion = best if score >= 0.6 else None
+        what = f"unknown field {key!r} in section {section!r}"
+        known = f"{section} has {', '.join(fields)}"
+        shown = f"{section}.{key}"
+    fix = f"did you mean {suggestion}?" if suggestion else f"remove it; {known}"
+    if suggestion and src.kind == "env":
+        fix += f" ({ENV_PREFIX}{suggestion.upper().replace('.', '__')})"
+    return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix)
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
+
+
+def _owner(field_name: str) -> str:
+    for p in field_paths():
+        if p.split(".", 1)[1] == field_name:
+            return p
+    return field_name
+
+
+def _add(layer, problems, section: Any, key: Any, value: Any, src: Source) -> None:
+    section_s, key_s = str(section), str(key)
+    if section_s not in SECTIONS:
+        problems.append(_unknown_key(section_s, src, None))
+    elif key_s not in SECTIONS[section_s].model_fields:
+        problems.append(_unknown_key(key_s, src, section_s))
+    else:
+        layer[f"{section_s}.{key_s}"] = (value, src)
+
+
+def _file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"job file {str(path)!r} does not exist.", fix="check the path.") from None
+    except IsADirectoryError:
+        raise UserError(f"job file {str(path)!r} is a directory.", fix="name the .yaml file.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read job file {str(path)!r}: {e}.", fix="save it as UTF-8 text.") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{where}: not valid YAML ({reason}).", fix="fix the YAML syntax there.") from None
+    except (ValueError, TypeError, RecursionError) as e:
+        raise UserError(f"{path}: not a readable YAML job ({e}).", fix="fix the YAML there.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path}: a job file is a mapping of sections, found a {type(data).__name__}.",
+            fix="write sections such as 'train:' at the top level (see examples/quickstart.yaml).",
+        )
+    lines = _line_numbers(node)
+    layer: dict[str, tuple[Any, Source]] = {}
+    for section, body in data.items():
+        where = f"{path}:{lines.get((str(section),), 1)}"
+        if str(section) in SECTIONS and not isinstance(body, dict):
+            if body is None:
+                continue
+            problems.append(
+                Problem(
+                    "error",
+                    [FieldRef(str(section), body, Source("file", where))],
+                    f"section {section!r} must be a mapping of fields, found {type(body).__name__}.",
+                    f"write its fields indented under '{section}:' (e.g. {section}: {{...}}).",
+                )
+            )
+            continue
+        if str(section) not in SECTIONS:
+            problems.append(_unknown_key(str(section), Source("file", where), None))
+            continue
+        for key, value in body.items():
+            src = Source("file", f"{path}:{lines.get((str(section), str(key)), 1)}")
+            _add(layer, problems, section, key, value, src)
+    return layer
+
+
+def _line_numbers(node) -> dict[tuple, int]:
+    """Map (section,) and (section, field) to 1-based line numbers in the YAML file."""
+    out: dict[tuple, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return out
+    for knode, vnode in node.value:
+        key = str(knode.value) if isinstance(knode, yaml.ScalarNode) else None
+        out.setdefault((key,), knode.start_mark.line + 1)
+        if isinstance(vnode, yaml.MappingNode):
+            for k2, _ in vnode.value:
+                if isinstance(k2, yaml.ScalarNode):
+                    out.setdefault((key, str(k2.value)), k2.start_mark.line + 1)
+    return out
+
+
+def _parse_text(value: str) -> Any:
+    """A value given as text (env, flag): null words become None; the field's type parses the rest."""
+    return None if value.strip().lower() in _NULLS else value
+
+
+def _env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    layer: dict[str, tuple[Any, Source]] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue  # GPUFLEET_CACHE and friends are settings, not job fields
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        _add(layer, problems, section, key, _parse_text(env[name]), Source("env", name))
+    return layer
+
+
+def _flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    layer: dict[str, tuple[Any, Source]] = {}
+    for item in sets:
+        path, eq, value = item.partition("=")
+        section, dot, key = path.strip().partition(".")
+        src = Source("flag", f"--set {item}")
+        if not eq or not dot or not section or not key:
+            problems.append(
+                Problem(
+                    "error",
+                    [FieldRef(path.strip() or item, item, src)],
+                    f"--set takes section.field=value, got {item!r}.",
+                    "write it like --set train.per_device_batch=4",
+                )
+            )
+            continue
+        _add(layer, problems, section, key.strip(), _parse_text(value), src)
+    return layer
+
+
+def _apply_presets(resolved: Resolved) -> None:
+    algo = resolved.job.algorithm
+    for name, value in PRESETS[algo.name].items():
+        if getattr(algo, name) is None:
+            setattr(algo, name, value)
+            resolved.sources[f"algorithm.{name}"] = Source("preset", algo.name)
+    train = resolved.job.train
+    if train.micro_batch is None:
+        train.micro_batch = train.per_device_batch
+        resolved.sources["train.micro_batch"] = Source("derived", "= train.per_device_batch")
+
+
+def dump_job(resolved: Resolved) -> dict[str, dict[str, Any]]:
+    """The resolved job as plain data (a valid job file when written as YAML)."""
+    return resolved.job.model_dump(mode="json")

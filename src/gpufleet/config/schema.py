@@ -1,0 +1,276 @@
+"""The job file: typed sections, each field with its default and a docstring.
+
+A job file is YAML with the sections below; every field is optional (defaults are shown by
+`gpufleet config JOB`). The docstring under each field is its documentation: `gpufleet config
+--explain` and the README reference are generated from it. Cross-field rules (divisibility, devices,
+model limits) live in `checks.py`, not here: this module only knows types and ranges.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _split_list(value: Any) -> Any:
+    """Accept `0,1,2`, `[0, 1]` and a single scalar where a list is expected (env vars, flags)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("auto", "colocate"):
+            return text
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]
+    return value
+
+
+IdList = Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)]
+StrList = Annotated[list[str], BeforeValidator(_split_list)]
+FloatList = Annotated[list[float], BeforeValidator(_split_list)]
+DevicesOrAuto = Annotated[Literal["auto"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)]
+RolePlacement = Annotated[
+    Literal["auto", "colocate"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)
+]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ModelSection(Section):
+    path: str = "builtin:tiny-qwen2"
+    """Policy model: a Hugging Face hub id (`Qwen/Qwen2.5-0.5B-Instruct`), a local folder with a
+    config.json, or `builtin:<name>` (tiny-qwen2, tiny-llama, small-qwen2), a tiny model gpufleet
+    builds locally on first use (no download)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype the weights are loaded in. `auto`: float32 for fp32 training, the checkpoint's dtype
+    otherwise. Master weights stay float32 under bf16/fp16 mixed precision."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about 30% more compute."""
+
+
+class DataSection(Section):
+    path: str = "builtin:repeat"
+    """Prompts: a local .jsonl / .json / .parquet / .csv file, or `builtin:<task>` (a generated task
+    with its own reward functions)."""
+
+    prompt_field: str = "prompt"
+    """Column holding the prompt text. Other columns are passed to reward functions by name."""
+
+    shuffle: bool = True
+    """Shuffle the prompts (seeded by train.seed) each epoch."""
+
+
+class RewardSection(Section):
+    functions: StrList = Field(default_factory=list)
+    """Reward functions: `module:function` import paths with the TRL signature
+    `fn(prompts, completions, **columns) -> list[float | None]`, or built-in names (`repeat/match`).
+    Empty with a `builtin:` dataset: that task's own rewards."""
+
+    weights: FloatList | None = None
+    """One weight per reward function (then one for `model`, if set). None: all 1.0."""
+
+    model: str | None = None
+    """Optional reward model (sequence classification with one label): hub id or local folder."""
+
+
+class AlgorithmSection(Section):
+    name: Literal["grpo", "gspo", "dr_grpo", "dapo"] = "grpo"
+    """Algorithm preset. It fills epsilon, epsilon_high, loss_type, importance_level and
+    scale_rewards where the job leaves them unset: grpo (token-level clip 0.2, per-sequence mean),
+    gspo (sequence-level ratio, clip 3e-4/4e-4, arXiv 2507.18071), dr_grpo (no std scaling, fixed
+    normaliser, arXiv 2503.20783), dapo (clip-higher 0.2/0.28, token-level mean, arXiv 2503.14476)."""
+
+    num_generations: int = Field(8, ge=1)
+    """Completions sampled per prompt (the group size G). Must be >= 2 and divide the generation batch."""
+
+    beta: float = Field(0.0, ge=0)
+    """KL penalty weight against the reference model (k3 estimator). 0: no reference model is loaded."""
+
+    epsilon: float | None = Field(None, ge=0)
+    """Lower clip range: ratio >= 1 - epsilon. Unset: from the preset."""
+
+    epsilon_high: float | None = Field(None, ge=0)
+    """Upper clip range: ratio <= 1 + epsilon_high. Unset: from the preset (= epsilon for grpo)."""
+
+    num_iterations: int = Field(1, ge=1)
+    """Optimisation passes over each generation batch (mu in the GRPO paper)."""
+
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """Divide advantages by the std of the group, of the batch, or not at all. Unset: from the preset."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None
+    """How token losses are averaged (see `gpufleet.rl.losses.policy_loss`). Unset: from the preset."""
+
+    importance_level: Literal["token", "sequence"] | None = None
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO). Unset: from the preset."""
+
+
+class RolloutSection(Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (built-in batched sampler with a KV cache). `vllm` is planned."""
+
+    max_prompt_length: int = Field(512, ge=1)
+    """Prompts longer than this many tokens are truncated from the left."""
+
+    max_completion_length: int = Field(256, ge=1)
+    """Maximum new tokens per completion."""
+
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0 = greedy, which gives identical completions in a group)."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (0 = off)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree of the rollout engine (vllm); must divide the attention and KV heads."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Fraction of each rollout GPU's memory the engine may reserve (vllm)."""
+
+
+class TrainSection(Section):
+    per_device_batch: int = Field(8, ge=1)
+    """Completions per policy rank per optimizer step."""
+
+    micro_batch: int | None = Field(None, ge=1)
+    """Completions per forward/backward pass; gradient accumulation makes up the rest.
+    Unset: = per_device_batch (no accumulation)."""
+
+    steps_per_generation: int = Field(1, ge=1)
+    """Optimizer steps taken on each generation batch (it is split into this many parts)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak AdamW learning rate."""
+
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to learning_rate."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to train."""
+
+    seed: int = Field(42, ge=0)
+    """Seed for initialisation, data order and sampling (sampling is seeded per prompt, not per rank)."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: fp32, or bf16/fp16 autocast with fp32 master weights."""
+
+    log_every: int = Field(1, ge=1)
+    """Print a progress line every this many steps (metrics.jsonl always gets every step)."""
+
+    samples_every: int = Field(10, ge=0)
+    """Write a few prompts/completions/rewards to samples.jsonl every this many steps (0 = never)."""
+
+
+class PlacementSection(Section):
+    devices: DevicesOrAuto = "auto"
+    """Device ids this job may use on each node (as numbered after CUDA_VISIBLE_DEVICES), or `auto`: all."""
+
+    policy: DevicesOrAuto = "auto"
+    """Devices of the policy ranks (one rank per device), or `auto`: every device not dedicated to
+    another role, up to launch.nproc_per_node."""
+
+    reference: RolePlacement = "auto"
+    """Where the reference model lives: `colocate` (a copy on every policy rank), device ids (a
+    dedicated scorer rank), or `auto` (colocate unless the planner decides otherwise)."""
+
+    reward: RolePlacement = "auto"
+    """Where the reward model lives: like `reference`. Roles placed on the same ids share one scorer rank."""
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Policy parallelism: DistributedDataParallel (a full replica per rank) or FSDP2 (sharded)."""
+
+    allow_shared_devices: bool = False
+    """Allow a dedicated scorer device to also hold a policy rank (two processes on one GPU)."""
+
+
+class LaunchSection(Section):
+    nproc_per_node: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
+    """Processes per node. `auto`: one per placed device (policy ranks + scorer ranks)."""
+
+    nnodes: int = Field(1, ge=1)
+    """Number of nodes."""
+
+    node_rank: int = Field(0, ge=0)
+    """This node's rank, 0 .. nnodes-1 (Slurm: $SLURM_NODEID)."""
+
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous for multi-node jobs (usually node 0's address)."""
+
+    master_addr: str = "127.0.0.1"
+    """Address of rank 0 for single-node jobs."""
+
+    master_port: Literal["auto"] | Annotated[int, Field(ge=1, le=65535)] = "auto"
+    """TCP port of rank 0's store. `auto`: a free port chosen at launch."""
+
+    max_restarts: int = Field(0, ge=0)
+    """Times torchrun restarts all workers after a failure (each restart resumes from the last checkpoint)."""
+
+
+class OutputSection(Section):
+    dir: str = "runs/default"
+    """Run directory: metrics.jsonl, samples.jsonl, logs/, checkpoints/, the final model."""
+
+    resume: str = "auto"
+    """`auto`: continue from the newest complete checkpoint in dir; `never`: refuse a dir that holds
+    a run; or the path of a checkpoint to start from."""
+
+    save_every: int = Field(50, ge=0)
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints to keep (older ones are deleted after a newer one is complete)."""
+
+
+class Job(BaseModel):
+    """A whole job: one section per concern."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: info.default_factory  # type: ignore[misc]
+    for name, info in Job.model_fields.items()
+}
+
+
+def field_paths() -> list[str]:
+    """Every `section.field` name, in file order."""
+    return [f"{s}.{f}" for s, cls in SECTIONS.items() for f in cls.model_fields]
+
+
+def field_doc(path: str) -> str:
+    """The docstring of `section.field`, folded to one paragraph."""
+    section, field = path.split(".", 1)
+    return " ".join((SECTIONS[section].model_fields[field].description or "").split())

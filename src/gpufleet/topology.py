@@ -1,0 +1,214 @@
+"""Which process runs which role on which device: the world a job asks for.
+
+Every node is laid out alike. Policy ranks hold one device each. The reference and reward models
+are either colocated (a copy inside every policy rank) or dedicated: each device id named for them
+gets one scorer rank that holds every role placed on that id. On the CPU, device ids name CPU
+processes, so a GPU layout runs unchanged (slowly) on a laptop.
+
+`resolve_topology` never raises: what does not add up becomes a Problem naming every factor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpufleet.config.load import Resolved
+from gpufleet.config.problems import Problem
+from gpufleet.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Topology:
+    nnodes: int
+    policy_devices: tuple[int, ...]
+    """Device ids of the policy ranks on each node, in rank order."""
+    scorer_devices: tuple[tuple[int, tuple[str, ...]], ...]
+    """(device id, roles) of each dedicated scorer rank on each node."""
+    cpu: bool
+
+    @property
+    def nproc_per_node(self) -> int:
+        return len(self.policy_devices) + len(self.scorer_devices)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def policy_ranks(self) -> int:
+        return len(self.policy_devices) * self.nnodes
+
+    def dedicated_roles(self) -> set[str]:
+        return {role for _, roles in self.scorer_devices for role in roles}
+
+    def describe(self) -> str:
+        unit = "cpu process" if self.cpu else "device"
+        text = f"{self.policy_ranks} policy rank(s) on {unit} {list(self.policy_devices)}"
+        for dev, roles in self.scorer_devices:
+            text += f"; {'+'.join(roles)} on scorer {unit} {dev}"
+        if self.nnodes > 1:
+            text += f"; per node, x {self.nnodes} nodes"
+        return text
+
+
+def _ids(value) -> list[int] | None:
+    return list(value) if isinstance(value, list) else None
+
+
+def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]]:
+    job, problems = r.job, []
+    pl = job.placement
+
+    # Dedicated roles. A role with nothing to hold gets no rank (the checks warn about it).
+    used = {"reference": job.algorithm.beta > 0, "reward": job.reward.model is not None}
+    by_device: dict[int, list[str]] = {}
+    for role in ("reference", "reward"):
+        ids = _ids(getattr(pl, role))
+        if ids and used[role]:
+            for dev in dict.fromkeys(ids):
+                by_device.setdefault(dev, []).append(role)
+    scorer = tuple((d, tuple(roles)) for d, roles in sorted(by_device.items()))
+
+    # Devices that exist (GPU) or that the job lists; on the CPU without a list, any id is a process.
+    present = list(range(len(hw.devices))) if not hw.is_cpu else None
+    allowed = _ids(pl.devices)
+    if allowed is not None and present is not None:
+        missing = [d for d in allowed if d not in present]
+        if missing:
+            problems.append(_missing(r, "placement.devices", missing, hw))
+    if allowed is None:
+        allowed = present
+
+    nproc = job.launch.nproc_per_node
+    policy = _ids(pl.policy)
+    if policy is None:
+        pool = (
+            allowed
+            if allowed is not None
+            else list(range(max(nproc if nproc != "auto" else 1, 1) + len(scorer)))
+        )
+        pool = [d for d in pool if pl.allow_shared_devices or d not in by_device]
+        want = (nproc - len(scorer)) if nproc != "auto" else len(pool)
+        if want > len(pool) and present is not None:
+            problems.append(
+                Problem(
+                    "error",
+                    [r.ref("launch.nproc_per_node"), r.ref("placement.devices")],
+                    f"launch.nproc_per_node {nproc} needs {want} policy devices + {len(scorer)} scorer, "
+                    f"but {hw.describe()} leaves {len(pool)} for the policy.",
+                    f"use at most {len(pool) + len(scorer)} devices: --set launch.nproc_per_node={len(pool) + len(scorer)}, "
+                    "or run on more GPUs.",
+                )
+            )
+            nproc = "auto"
+        policy = pool[: max(want, 0)]
+    else:
+        dup = sorted({d for d in policy if policy.count(d) > 1})
+        if dup:
+            problems.append(
+                Problem(
+                    "error",
+                    [r.ref("placement.policy")],
+                    f"device {dup[0]} holds two policy ranks; each policy rank needs its own device.",
+                    f"list each device once, e.g. --set placement.policy={','.join(map(str, dict.fromkeys(policy)))}",
+                )
+            )
+            policy = list(dict.fromkeys(policy))
+
+    for field, ids in (
+        ("placement.policy", policy),
+        *((f"placement.{d}", _ids(getattr(pl, d)) or []) for d in ("reference", "reward")),
+    ):
+        if allowed is not None:
+            missing = [d for d in ids if d not in allowed]
+            if missing and (
+                field == "placement.policy" or field.split(".")[1] in {x for _, rs in scorer for x in rs}
+            ):
+                problems.append(_missing(r, field, missing, hw, allowed))
+
+    shared = sorted(set(policy) & set(by_device))
+    if shared and not pl.allow_shared_devices:
+        roles = "+".join(dict.fromkeys(x for d in shared for x in by_device[d]))
+        rest = [d for d in policy if d not in shared]
+        problems.append(
+            Problem(
+                "error",
+                [r.ref("placement.policy"), *(r.ref(f"placement.{x}") for x in roles.split("+"))],
+                f"device {shared[0]} is both a policy device and the dedicated {roles} device, and the roles are not declared to share it.",
+                "declare it with --set placement.allow_shared_devices=true (two processes on one device, memory split), "
+                + (
+                    f"or keep the policy off it: --set placement.policy={','.join(map(str, rest))}"
+                    if rest
+                    else "or colocate: --set placement." + roles.split("+")[0] + "=colocate"
+                ),
+            )
+        )
+
+    if not policy:
+        problems.append(
+            Problem(
+                "error",
+                [r.ref("placement.policy"), r.ref("launch.nproc_per_node")],
+                "no device is left for a policy rank.",
+                "give the policy at least one device, e.g. --set placement.policy=0, or colocate the other roles.",
+            )
+        )
+
+    topo = Topology(job.launch.nnodes, tuple(policy), scorer, hw.is_cpu)
+    if nproc != "auto" and nproc != topo.nproc_per_node:
+        parts = f"{len(policy)} policy + {len(scorer)} scorer"
+        problems.append(
+            Problem(
+                "error",
+                [
+                    r.ref("launch.nproc_per_node"),
+                    r.ref("placement.policy"),
+                    r.ref("placement.reference"),
+                    r.ref("placement.reward"),
+                ],
+                f"launch.nproc_per_node is {nproc} but the placement needs {topo.nproc_per_node} processes per node ({parts}).",
+                f"--set launch.nproc_per_node={topo.nproc_per_node} (or auto), or change the placement to fill {nproc} processes.",
+            )
+        )
+    if not hw.is_cpu and topo.nproc_per_node > 0 and present is not None:
+        need = len(set(policy) | set(by_device))
+        if need > len(present):
+            problems.append(
+                Problem(
+                    "error",
+                    [r.ref("launch.nproc_per_node"), r.ref("placement.policy")],
+                    f"the job needs {need} devices per node but {hw.describe()} has {len(present)}.",
+                    f"use at most {len(present)} devices (e.g. --set launch.nproc_per_node={len(present)}), or run on more GPUs.",
+                )
+            )
+    if hw.is_cpu and topo.world_size > hw.cpu_count and hw.is_detected:
+        problems.append(
+            Problem(
+                "warning",
+                [r.ref("launch.nproc_per_node")],
+                f"{topo.world_size} processes on {hw.cpu_count} CPU cores: they will share cores and run slowly.",
+                f"fine for testing; for speed use at most {hw.cpu_count} processes.",
+            )
+        )
+    return topo, problems
+
+
+def _missing(
+    r: Resolved, field: str, missing: list[int], hw: Hardware, allowed: list[int] | None = None
+) -> Problem:
+    if (
+        allowed is not None
+        and field != "placement.devices"
+        and r.source("placement.devices").kind != "default"
+    ):
+        have = f"placement.devices allows {allowed}"
+    else:
+        n = len(hw.devices)
+        have = f"{hw.describe()} has devices 0..{n - 1}" if n else "there are no devices"
+    fix_ids = allowed if allowed is not None else list(range(len(hw.devices)))
+    return Problem(
+        "error",
+        [r.ref(field)],
+        f"device {missing[0]} does not exist: {have} (numbered after CUDA_VISIBLE_DEVICES).",
+        f"use ids from {fix_ids}" + (f", e.g. --set {field}={fix_ids[0]}" if fix_ids else ""),
+    )
