@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     c = job_verb("config", "print the resolved job and where each value came from")
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
+    c = job_verb("train", "check the job, then train it and save the model, metrics and samples")
+    c.add_argument(
+        "--gpus", default="auto", metavar="SPEC", help="hardware (default: detect); cpu forces the CPU"
+    )
     return p
 
 
@@ -74,6 +78,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from gpufleet.commands import show_config
 
             return show_config(args.job, args.sets, args.format, env)
+        if args.verb == "train":
+            from gpufleet.commands import train_command
+
+            return train_command(args.job, args.sets, args.gpus, env)
     except UserError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -105,3 +105,60 @@ def render_table(r: Resolved) -> str:
     out = [f"{'field'.ljust(w0)}  {'value'.ljust(w1)}  source", "-" * (w0 + w1 + 12)]
     out += [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows]
     return "\n".join(out)
+
+
+def train_command(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
+    """`gpufleet train`: check everything first, then train; print where the results are."""
+    from pathlib import Path
+
+    from gpufleet.config.checks import holds_run, run_checks
+    from gpufleet.hardware import resolve_hardware
+
+    hw = resolve_hardware(gpus, env)
+    r = load_job(job, sets, env)
+    problems, ctx = run_checks(r, hw, env)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        print(render_problems(problems), file=sys.stderr)
+        print(summary(problems) + " Nothing was started.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    for p in problems:
+        print(p.render())
+    if ctx.topo.world_size > 1:
+        print(
+            f"gpufleet: error: this job asks for {ctx.topo.world_size} processes ({ctx.topo.describe()}); "
+            "multi-process launch is not available in this version. Fix: --set launch.nproc_per_node=1",
+            file=sys.stderr,
+        )
+        return EXIT_USER_ERROR
+    out = Path(r.job.output.dir).expanduser()
+    if (out / "final" / "config.json").is_file() and r.job.output.resume == "auto":
+        print(f"{out} already holds a finished run (final model in {out / 'final'}); nothing to do.")
+        print(f"Start another with --set output.dir={str(out).rstrip('/')}-2")
+        return 0
+    if holds_run(out):  # a run that did not finish: its logs are kept aside, not overwritten
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (out / name).exists():
+                (out / name).replace(out / f"{name}.previous")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.yaml").write_text(render_yaml(r) + "\n", encoding="utf-8")
+
+    import torch
+
+    from gpufleet.rl.trainer import train
+
+    device = torch.device("cuda", ctx.topo.policy_devices[0]) if not hw.is_cpu else torch.device("cpu")
+    job_ = r.job
+    print(
+        f"gpufleet train {job}: {job_.model.path} on {device}; {job_.algorithm.name} "
+        f"(G={job_.algorithm.num_generations}, loss {job_.algorithm.loss_type}, {job_.algorithm.importance_level} level, "
+        f"beta {job_.algorithm.beta}); {job_.train.max_steps} steps of {job_.train.per_device_batch} completions; "
+        f"data {job_.data.path}; output {out}",
+        flush=True,
+    )
+    last = train(job_, out, device)
+    print(f"done: reward {last.get('reward', float('nan')):.3f} at step {int(last.get('step', 0))}")
+    print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
+    print(f"  metrics: {out / 'metrics.jsonl'}")
+    print(f"  samples: {out / 'samples.jsonl'}")
+    return 0

@@ -1,0 +1,108 @@
+"""Prompts: a built-in task or a local dataset, read as a deterministic stream of positions.
+
+Generation batch k takes stream positions [k*P, (k+1)*P). A position maps to a dataset row through a
+seeded permutation per epoch, so the order depends only on (seed, position): not on the rank count,
+and a resumed run continues the same order.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from gpufleet.config.schema import DataSection
+from gpufleet.errors import UserError
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class PromptSource:
+    """`examples(start, count)`: dicts with the prompt under `prompt_field` plus every other column."""
+
+    def __init__(self, cfg: DataSection, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.task = None
+        self.rows: Any = None
+        if cfg.path.startswith("builtin:"):
+            from gpufleet import tasks
+
+            try:
+                self.task = tasks.get_task(cfg.path[len("builtin:") :])
+            except ValueError as e:
+                raise UserError(
+                    str(e), field="data.path", fix="use builtin:repeat or a local .jsonl file"
+                ) from None
+            self.field = "prompt"
+        else:
+            self.rows = _load_rows(cfg.path)
+            self.field = cfg.prompt_field
+            columns = list(self.rows.column_names)
+            if self.field not in columns:
+                raise UserError(
+                    f"{cfg.path} has no column {self.field!r} (columns: {', '.join(columns)}).",
+                    field="data.prompt_field",
+                    fix=f"--set data.prompt_field={columns[0] if columns else '<column>'}",
+                )
+            if len(self.rows) == 0:
+                raise UserError(
+                    f"{cfg.path} holds no rows.", field="data.path", fix="give a dataset with prompts"
+                )
+        self._perm: dict[int, list[int]] = {}
+
+    def _row(self, position: int) -> dict[str, Any]:
+        if self.task is not None:
+            return self.task.make_example(position, self.seed)
+        n = len(self.rows)
+        epoch, offset = divmod(position, n)
+        if self.cfg.shuffle:
+            if epoch not in self._perm:
+                order = list(range(n))
+                random.Random(f"gpufleet-data:{self.seed}:{epoch}").shuffle(order)
+                self._perm = {epoch: order}  # only the current epoch is kept
+            index = self._perm[epoch][offset]
+        else:
+            index = offset
+        row = dict(self.rows[index])
+        prompt = row.get(self.field)
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise UserError(
+                f"row {index} of {self.cfg.path} has prompt {prompt!r} in column {self.field!r}; "
+                "a prompt is a non-empty string or a list of chat messages.",
+                field="data.prompt_field",
+                fix="clean that row or point data.prompt_field at the text column",
+            )
+        return row
+
+    def examples(self, start: int, count: int) -> list[dict[str, Any]]:
+        return [self._row(p) for p in range(start, start + count)]
+
+    def reward_names(self) -> list[str]:
+        return list(self.task.default_rewards) if self.task is not None else []
+
+
+def _load_rows(path: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(path).expanduser()
+    try:
+        if p.exists():
+            fmt = FORMATS.get(p.suffix.lower())
+            if fmt is None:
+                raise UserError(
+                    f"{path}: unknown format {p.suffix!r}.",
+                    field="data.path",
+                    fix="use a .jsonl, .json, .parquet or .csv file",
+                )
+            return datasets.load_dataset(fmt, data_files=str(p), split="train")
+        return datasets.load_dataset(path, split="train")
+    except UserError:
+        raise
+    except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"cannot load {path}: {first}",
+            field="data.path",
+            fix="give a readable local .jsonl/.json/.parquet/.csv file or a reachable hub dataset",
+        ) from None

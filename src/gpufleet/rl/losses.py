@@ -1,0 +1,179 @@
+"""Clipped policy-gradient loss of the GRPO family, as pure tensor math (torch only).
+
+One function, `policy_loss`, covers the variants that differ only in two places:
+
+* where the importance ratio lives (`level`):
+  - "token": one ratio per token, PPO style (GRPO, DeepSeekMath arXiv 2402.03300);
+  - "sequence": one length-normalised ratio per sequence (GSPO, arXiv 2507.18071).
+* how the per-token losses are averaged (`loss_type`):
+  - "grpo": mean over each sequence's tokens, then mean over sequences (arXiv 2402.03300);
+  - "bnpo": mean over all tokens of the batch;
+  - "dr_grpo": token sum over a constant B * max_completion_length (Dr.GRPO, arXiv 2503.20783);
+  - "dapo": token sum over the global token count (DAPO, arXiv 2503.14476).
+
+The math follows TRL's `GRPOTrainer._compute_loss` (1.16) so that loss curves are comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+def _k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) from log_ratio = ref_logprobs - logprobs.
+
+    k3 = exp(log_ratio) - log_ratio - 1: unbiased, always >= 0, low variance.
+    Source: http://joschu.net/blog/kl-approx.html
+    """
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def _masked_fraction(flags: torch.Tensor, mask: torch.Tensor) -> float:
+    """Fraction of valid tokens where `flags` is true (0.0 when there are no valid tokens)."""
+    count = (flags & mask).sum().to(torch.float64)
+    return (count / mask.sum().clamp(min=1)).item()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    loss_type: str = "grpo",
+    level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    max_completion_length: int | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss (plus optional k3 KL penalty) of a group-relative RL step.
+
+    Args:
+        logprobs: (B, T) log-probabilities of the sampled tokens under the current policy. The
+            gradient flows through this tensor only.
+        old_logprobs: (B, T) log-probabilities under the policy that generated the samples.
+            Treated as a constant (detached).
+        advantages: (B,) one advantage per sequence (constant, detached).
+        mask: (B, T) 1 for completion tokens, 0 for padding / tokens after EOS (bool or float).
+            Masked positions never affect the loss, the gradient or the stats, whatever values
+            the log-probability tensors hold there (even inf / NaN).
+        ref_logprobs: (B, T) log-probabilities under the reference policy (constant). Required
+            when `beta != 0`; when given with `beta == 0` it is only used for the "kl" stat.
+        loss_type: "grpo", "bnpo", "dr_grpo" or "dapo" (see the module docstring).
+        level: "token" (one ratio per token) or "sequence" (GSPO: one ratio per sequence,
+            exp of the mean log-ratio over its valid tokens, shared by all its tokens).
+        epsilon: lower clip range; the ratio is clipped to [1 - epsilon, 1 + epsilon_high].
+        epsilon_high: upper clip range (DAPO "clip-higher"); None means `epsilon`.
+        beta: weight of the per-token k3 KL penalty added to the per-token loss.
+        max_completion_length: the constant L of "dr_grpo" (denominator B * L). Required for
+            "dr_grpo" unless `normalizer` is given.
+        normalizer: when given, it REPLACES the final denominator of the aggregation:
+            "grpo" -> (sum of per-sequence token means) / normalizer;
+            "bnpo", "dapo", "dr_grpo" -> (sum of masked token losses) / normalizer.
+            The trainer passes a *global* count (number of sequences for "grpo", number of
+            valid tokens for "bnpo"/"dapo", B * max_completion_length for "dr_grpo", all
+            summed over micro-batches and ranks). Each micro-batch then contributes its exact
+            share and the summed gradient does not depend on how the batch was split across
+            micro-batches or ranks. Must be > 0: a trainer that may see zero valid tokens
+            should pass max(count, 1).
+
+    Returns:
+        (loss, stats): `loss` is a 0-d tensor; `stats` holds python floats computed without
+        gradient over valid tokens only: "clip_ratio/low_mean" (ratio < 1 - epsilon and A < 0),
+        "clip_ratio/high_mean" (ratio > 1 + epsilon_high and A > 0), "clip_ratio/region_mean"
+        (either) and "kl" (masked mean of the k3 KL, 0.0 without `ref_logprobs`). With an
+        all-zero mask the loss is 0 and every stat is 0.0.
+
+    Raises:
+        ValueError: unknown `loss_type` or `level`, mismatched shapes, `beta != 0` without
+            `ref_logprobs`, "dr_grpo" without `max_completion_length` or `normalizer`, or a
+            `normalizer` that is not > 0.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {LOSS_TYPES}")
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r} is not supported; expected one of {LEVELS}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    named = {"old_logprobs": old_logprobs, "mask": mask}
+    if ref_logprobs is not None:
+        named["ref_logprobs"] = ref_logprobs
+    for name, tensor in named.items():
+        if tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} like logprobs")
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"beta={beta} needs ref_logprobs for the KL penalty; pass them or set beta=0")
+    if loss_type == "dr_grpo" and max_completion_length is None and normalizer is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (or an explicit normalizer)")
+    if max_completion_length is not None and max_completion_length <= 0:
+        raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
+    if normalizer is not None:
+        normalizer = float(normalizer)
+        if not normalizer > 0.0:  # also rejects NaN
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    if epsilon_high is None:
+        epsilon_high = epsilon
+
+    valid = mask.bool()
+    mask_f = valid.to(logprobs.dtype)
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    # log(pi / pi_old), forced to 0 at masked positions: padding may hold garbage (even -inf),
+    # and 0 * inf would otherwise turn the loss or the gradient into NaN.
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zero)
+    if level == "token":
+        log_weight = log_ratio  # (B, T)
+    else:
+        # GSPO (arXiv 2507.18071): s_i = exp(mean_t log r_it) over the sequence's valid tokens,
+        # the same weight for every token of the sequence; as TRL importance_sampling_level="sequence".
+        log_weight = (log_ratio.sum(-1) / mask_f.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+    ratio = torch.exp(log_weight)
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    # PPO clipped surrogate (arXiv 1707.06347), negated into a loss; broadcasts to (B, T).
+    per_token = -torch.minimum(ratio * adv, clipped * adv).expand(shape)
+
+    kl = None
+    if ref_logprobs is not None:
+        # k3 KL estimator, http://joschu.net/blog/kl-approx.html ; 0 at masked positions.
+        kl = _k3_kl(torch.where(valid, ref_logprobs.detach() - logprobs, zero))
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+
+    per_token = per_token * mask_f
+    if loss_type == "grpo":
+        # DeepSeekMath GRPO: per-sequence token mean, then mean over sequences.
+        seq_mean = per_token.sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+        denom = normalizer if normalizer is not None else max(shape[0], 1)
+        loss = seq_mean.sum() / denom
+    elif loss_type == "dr_grpo":
+        # Dr.GRPO (arXiv 2503.20783): a constant denominator removes the length bias.
+        denom = normalizer if normalizer is not None else max(shape[0] * max_completion_length, 1)
+        loss = per_token.sum() / denom
+    else:
+        # "bnpo": tokens of this call; "dapo" (arXiv 2503.14476): token-level mean, with the
+        # trainer passing the global token count as `normalizer`.
+        denom = normalizer if normalizer is not None else mask_f.sum().clamp(min=1.0)
+        loss = per_token.sum() / denom
+
+    with torch.no_grad():
+        r = ratio.detach().expand(shape)
+        a = adv.expand(shape)
+        is_low = (r < 1.0 - epsilon) & (a < 0)
+        is_high = (r > 1.0 + epsilon_high) & (a > 0)
+        stats = {
+            "clip_ratio/low_mean": _masked_fraction(is_low, valid),
+            "clip_ratio/high_mean": _masked_fraction(is_high, valid),
+            "clip_ratio/region_mean": _masked_fraction(is_low | is_high, valid),
+            "kl": 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item(),
+        }
+    return loss, stats

@@ -1,0 +1,30 @@
+"""AdamW and the learning-rate schedule (linear warm-up, then constant / linear / cosine decay)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {kind!r}")
+
+
+def build_optimizer(params, train) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    opt = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, warmup=train.warmup_steps, total=train.max_steps, kind=train.lr_scheduler)
+    )
+    return opt, sched

@@ -1,0 +1,176 @@
+"""Reward functions and reward models: resolve them, call them, and refuse bad answers clearly.
+
+A reward function has the TRL signature `fn(prompts, completions, **columns) -> list[float | None]`:
+the other dataset columns arrive as keyword lists; None means "not applicable to this sample" and
+becomes NaN, which the weighted sum ignores (`advantages.combine_rewards`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpufleet.config.schema import RewardSection
+from gpufleet.errors import UserError
+
+
+def resolve_function(name: str) -> Callable:
+    """A built-in reward name (`task/fn`) or a `module:function` import path."""
+    from gpufleet import tasks
+
+    if ":" not in name:
+        try:
+            return tasks.builtin_reward(name)
+        except ValueError as e:
+            raise UserError(
+                str(e), field="reward.functions", fix="use module:function or a built-in name"
+            ) from None
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise UserError(
+            f"reward function {name!r}: cannot import {module!r} ({e}).",
+            field="reward.functions",
+            fix="run from the module's folder or add it to PYTHONPATH",
+        ) from None
+    except AttributeError:
+        raise UserError(
+            f"reward function {name!r}: {module} has no {attr!r}.",
+            field="reward.functions",
+            fix="check the function name",
+        ) from None
+    if not callable(fn):
+        raise UserError(
+            f"reward function {name!r} is not callable.", field="reward.functions", fix="name a function"
+        )
+    return fn
+
+
+class RewardModel:
+    """A sequence-classification model with one label, scoring prompt + completion text."""
+
+    def __init__(self, path: str, device: torch.device, batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification
+
+        from gpufleet.models import load_tokenizer, resolve_model_path
+
+        resolved = resolve_model_path(path)
+        self.tokenizer = load_tokenizer(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(resolved).to(device).eval()
+        if self.model.config.num_labels != 1:
+            raise UserError(
+                f"reward model {path} has {self.model.config.num_labels} labels.",
+                field="reward.model",
+                fix="use a sequence-classification model with num_labels=1",
+            )
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device, self.batch_size = device, batch_size
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        out: list[float] = []
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
+            out.extend(self.model(**enc).logits[:, 0].float().tolist())
+        return out
+
+
+class Rewards:
+    """All reward sources of a job, in order: functions, then the model. `names` label the metrics."""
+
+    def __init__(self, cfg: RewardSection, default_names: list[str], device: torch.device):
+        names = list(cfg.functions) or list(default_names)
+        self.fns: list[Callable] = [resolve_function(n) for n in names]
+        self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
+        if cfg.model:
+            self.fns.append(RewardModel(cfg.model, device))
+            self.names.append("reward_model")
+        if not self.fns:
+            raise UserError(
+                "no reward function or model.",
+                field="reward.functions",
+                fix="--set reward.functions=module:function",
+            )
+        weights = cfg.weights if cfg.weights is not None else [1.0] * len(self.fns)
+        if len(weights) != len(self.fns):
+            raise UserError(
+                f"{len(weights)} weights for {len(self.fns)} rewards.",
+                field="reward.weights",
+                fix=f"give {len(self.fns)} weights",
+            )
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.labels = self.names
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
+        """(N, F) float tensor; NaN where a function returned None."""
+        cols = {
+            k: v for k, v in columns.items() if k not in ("prompt", "completion", "prompts", "completions")
+        }
+        out = torch.empty(len(completions), len(self.fns), dtype=torch.float32)
+        for j, (fn, label) in enumerate(zip(self.fns, self.labels, strict=True)):
+            out[:, j] = torch.tensor(
+                _call_checked(fn, label, prompts, completions, cols), dtype=torch.float32
+            )
+        return out
+
+
+def _call_checked(fn, label: str, prompts, completions, cols) -> list[float]:
+    """Call one reward function; any failure names the function and the first offending sample."""
+    n = len(completions)
+    try:
+        values = fn(prompts, completions, **cols)
+    except Exception as e:  # user code: find the first sample it fails on, then report it in one line
+        i = _first_failing(fn, prompts, completions, cols)
+        where = (
+            f" on sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})" if i is not None else ""
+        )
+        raise UserError(
+            f"reward function {label} raised {type(e).__name__}: {e}{where}.",
+            field="reward.functions",
+            fix="fix the function so it returns a float or None for every completion",
+        ) from None
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+        raise UserError(
+            f"reward function {label} returned {type(values).__name__}, not a list.",
+            field="reward.functions",
+            fix=f"return a list of {n} floats (None = not applicable)",
+        )
+    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    if len(values) != n:
+        raise UserError(
+            f"reward function {label} returned {len(values)} values for {n} completions.",
+            field="reward.functions",
+            fix="return one value per completion, in order",
+        )
+    result = []
+    for i, v in enumerate(values):
+        if v is None:
+            result.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise UserError(
+                f"reward function {label} returned {v!r} for sample {i} (prompt {prompts[i]!r}, "
+                f"completion {completions[i]!r}).",
+                field="reward.functions",
+                fix="return a finite float, or None when the reward does not apply",
+            )
+        result.append(float(v))
+    return result
+
+
+def _first_failing(fn, prompts, completions, cols) -> int | None:
+    for i in range(len(completions)):
+        try:
+            fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in cols.items()})
+        except Exception:  # we are looking for the failing sample; the error itself was already caught
+            return i
+    return None

@@ -1,0 +1,285 @@
+"""Batched sampling with a KV cache, seeded per row, and the log-probs of what was sampled.
+
+``generate`` is a hand-written decode loop over a ``DynamicCache`` rather than ``model.generate``:
+the same tokens for greedy decoding, a little faster (about 1.2x for 32 rows x 32 tokens on
+tiny-qwen2 on CPU, where the model's own forward dominates both), and, the reason it exists, a random
+stream per *row*:
+
+* Row ``i`` draws all its uniforms up front from ``torch.Generator().manual_seed(seeds[i])`` and picks
+  each token by inverse-CDF sampling (``searchsorted`` in the cumulative sum of the filtered
+  probabilities). Its completion therefore depends on its prompt and seed only, not on which other rows
+  share the batch, their order, or the batch size, so results do not depend on the rank count
+  (give row ``i`` the seed of its prompt index and step). The one caveat is floating point: logits can
+  differ in the last bits between batch shapes, which flips a token only when a uniform falls within
+  ~1e-7 of a CDF boundary.
+* Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
+* A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
+  row is done.
+
+``sequence_logprobs`` asks the model for the completion's logits only (``logits_to_keep``), then
+computes per-token log-probs and entropies in chunks along time, recomputing each chunk in backward:
+beyond the logits themselves, float32 temporaries over the vocabulary exist for one chunk at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Default time chunk of ``sequence_logprobs``: about this many (batch x time x vocab) floats at once."""
+
+
+@dataclass
+class Rollout:
+    """One batch of prompts and sampled completions; row i of every tensor is the same sequence.
+
+    ``prompt_ids``/``prompt_mask`` (B, P) are left-padded; ``completion_ids``/``completion_mask``
+    (B, T) are right-padded, where T is the longest completion (<= max_new_tokens). The completion mask
+    is 1 for generated tokens up to and including the first EOS, 0 after it.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    completion_lengths: torch.Tensor
+    """(B,) number of completion tokens, EOS included."""
+    is_truncated: torch.Tensor
+    """(B,) bool: no EOS within max_new_tokens."""
+
+    @property
+    def completion_start(self) -> int:
+        """Index of the first completion token in ``input_ids`` (= P)."""
+        return self.prompt_ids.shape[1]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(B, P+T) prompt and completion, for a forward pass."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(B, P+T) attention mask matching ``input_ids``."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def completions(self) -> list[list[int]]:
+        """Each row's completion tokens (EOS included if generated), without padding."""
+        return [
+            row[:n].tolist()
+            for row, n in zip(self.completion_ids, self.completion_lengths.tolist(), strict=True)
+        ]
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+
+def left_pad(
+    rows: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (ids, mask), both (B, max_len) long tensors."""
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _row_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
+    """(B, steps) uniforms in [0, 1); row i comes from its own generator seeded with seeds[i].
+
+    Drawn in float32 and widened to float64 so that ``u * total`` stays strictly below ``total``.
+    """
+    out = torch.empty((len(seeds), steps), dtype=torch.float32)
+    for i, seed in enumerate(seeds):
+        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(seed)))
+    return out.to(device=device, dtype=torch.float64)
+
+
+def _sample(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float, top_k: int
+) -> torch.Tensor:
+    """Next tokens (B,) from last-position logits (B, V): greedy if temperature == 0, else inverse CDF."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    cdf = probs.double().cumsum(dim=-1)
+    # First index whose CDF exceeds u * total: a token of probability 0 can never be picked.
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    *,
+    seeds: list[int],
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
+
+    ``temperature == 0`` is greedy decoding (the seeds are then unused). ``top_k == 0`` and
+    ``top_p == 1`` disable those filters; they apply after the temperature, top-k first (as in HF).
+    """
+    if len(seeds) != len(prompt_ids):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(
+            f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}"
+        )
+
+    was_training = model.training
+    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    try:
+        return _decode(
+            model, prompt_ids, seeds, max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k
+        )
+    finally:
+        model.train(was_training)
+
+
+def _decode(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    seeds: list[int],
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+) -> Rollout:
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
+    batch, width = prompt.shape
+    uniforms = _row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
+
+    mask = torch.zeros((batch, width + max_new_tokens), dtype=torch.long, device=device)
+    mask[:, :width] = prompt_mask
+    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    next_pos = prompt_mask.sum(dim=1, keepdim=True)  # position id of the next token of each row
+
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    step_input, steps = prompt, 0
+    for t in range(max_new_tokens):
+        logits = model(
+            input_ids=step_input,
+            attention_mask=mask[:, : width + t],
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
+        token = token.masked_fill_(done, pad_token_id)
+        out[:, t] = token
+        mask[:, width + t] = (~done).long()
+        done |= token == eos_token_id
+        steps = t + 1
+        if bool(done.all()):
+            break
+        step_input, positions = token.unsqueeze(1), next_pos
+        next_pos = next_pos + 1
+
+    completion_ids = out[:, :steps]
+    completion_mask = mask[:, width : width + steps]
+    lengths = completion_mask.sum(dim=1)
+    has_eos = (completion_ids == eos_token_id).logical_and(completion_mask.bool()).any(dim=1)
+    return Rollout(
+        prompt_ids=prompt,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids.clone(),
+        completion_mask=completion_mask.clone(),
+        completion_lengths=lengths,
+        is_truncated=~has_eos,
+    )
+
+
+def _token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_z = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logp, entropy
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_start: int,
+    *,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
+
+    Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution).
+    Gradients flow into the log-probs when called with grad enabled; the entropy is for metrics and
+    carries a gradient too. ``model`` is called once as a whole (so DDP/FSDP wrappers work) with
+    ``logits_to_keep`` covering only the completion; the per-token statistics are then taken ``chunk``
+    positions at a time (default: about 16M logits per chunk), each chunk recomputed in backward.
+    Values at masked positions are computed but meaningless; the caller applies the mask.
+    """
+    batch, length = input_ids.shape
+    steps = length - completion_start
+    if not 0 < completion_start < length:
+        raise ValueError(f"completion_start must be in [1, {length - 1}], got {completion_start}")
+    positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=steps + 1,
+    ).logits[:, :-1]
+    targets = input_ids[:, completion_start:]
+    if chunk is None:
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    logps, entropies = [], []
+    for start in range(0, steps, chunk):
+        piece = (logits[:, start : start + chunk], targets[:, start : start + chunk], temperature)
+        if recompute:
+            logp, entropy = checkpoint(_token_stats, *piece, use_reentrant=False)
+        else:
+            logp, entropy = _token_stats(*piece)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
