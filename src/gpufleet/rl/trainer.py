@@ -57,13 +57,17 @@ def _dtype(job: Job) -> str:
 
 
 def build(job: Job, device: torch.device) -> Parts:
+    from transformers.utils import logging as hf_logging
+
     from gpufleet.models import load_causal_lm, load_tokenizer
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(job.train.seed)
     tokenizer = load_tokenizer(job.model.path)
     policy = load_causal_lm(job.model.path, dtype=_dtype(job), device=str(device))
     if job.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
     reference = None
     if job.algorithm.beta > 0:
         reference = load_causal_lm(job.model.path, dtype=_dtype(job), device=str(device)).eval()

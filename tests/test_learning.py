@@ -1,0 +1,86 @@
+"""End to end through the CLI: the reward rises on the built-in task, and failures are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpufleet.cli import main
+from gpufleet.rl.optim import lr_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = str(ROOT / "examples" / "quickstart.yaml")
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_reward_rises_on_builtin_task(tmp_path, capsys):
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90",
+                 "--set", "train.log_every=30"], env={})
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rewards = [m["reward"] for m in read_metrics(run)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.1
+    assert last > first + 0.1, (first, last)
+    assert "model:" in out and str(run / "final") in out
+    # A second `train` on a finished run does nothing and loses nothing.
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}"], env={}) == 0
+    assert "already holds a finished run" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("precision, checkpointing", [("bf16", False), ("fp32", True)])
+def test_precision_and_checkpointing_run(tmp_path, capsys, precision, checkpointing):
+    run = tmp_path / "run"
+    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=2",
+                 "--set", "train.per_device_batch=16", "--set", f"train.precision={precision}",
+                 "--set", f"model.gradient_checkpointing={str(checkpointing).lower()}"], env={})
+    assert code == 0, capsys.readouterr()
+    assert all(m["grad_norm"] >= 0 for m in read_metrics(run))
+
+
+def test_bad_job_starts_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "algorithm.num_generations=5"],
+                env={})
+    err = capsys.readouterr().err
+    assert code == 2 and "algorithm.num_generations" in err and "Nothing was started" in err
+    assert not run.exists()
+
+
+def test_reward_error_is_one_line_and_keeps_old_outputs(tmp_path):
+    (tmp_path / "badreward.py").write_text(
+        "def score(prompts, completions, **kw):\n    return [1.0 / (len(c) - len(c)) for c in completions]\n"
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "gpufleet", "train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}",
+                        "--set", "reward.functions=badreward:score", "--set", "train.max_steps=2"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    line = [x for x in p.stderr.splitlines() if x.startswith("gpufleet: error")]
+    assert len(line) == 1 and "score raised ZeroDivisionError" in line[0] and "sample 0" in line[0]
+    assert (run / "notes.txt").read_text() == "keep me"
+
+
+def test_lr_schedules():
+    assert [lr_factor(s, warmup=2, total=10, kind="constant") for s in (0, 1, 5)] == [0.5, 1.0, 1.0]
+    assert lr_factor(2, warmup=2, total=10, kind="linear") == 1.0
+    assert lr_factor(6, warmup=2, total=10, kind="linear") == 0.5
+    assert lr_factor(6, warmup=2, total=10, kind="cosine") == pytest.approx(0.5)
+    assert lr_factor(10, warmup=2, total=10, kind="cosine") == pytest.approx(0.0)
