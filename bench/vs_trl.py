@@ -18,9 +18,11 @@ same torch thread count. TRL gets its fastest fair settings: no gradient checkpo
 reporting, no checkpoints, no progress bar, data loader workers 0.
 
 Measured: end-to-end step time (time between consecutive step ends, median after a warm-up), CPU
-seconds per step (less sensitive to a busy machine), completions/s, peak RSS, the whole run's wall time,
-start-up time (`python -m gpufleet --version` vs `python -c "import trl"` and friends), and both reward
-curves. Prints a summary block for the README at the end. No assertions on time.
+time of the process per step (insensitive to other processes on a shared machine; with --threads > 1
+it counts every thread's core-seconds), completions/s, peak RSS, time to the first step, the whole
+run's wall time, start-up time (`python -m gpufleet --version` vs `python -c "import trl"` and
+friends), and both reward curves. Prints a summary block for the README at the end. No assertions on
+time. `--src DIR` benchmarks another gpufleet source tree (e.g. `git archive HEAD src | tar -x -C DIR`).
 """
 
 from __future__ import annotations
@@ -80,7 +82,16 @@ def ensure_bench_venv() -> None:
     if not BENCH_PY.exists():
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", str(BENCH_VENV)], check=True)
-    cmd = [str(BENCH_PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--progress-bar", "off"]
+    cmd = [
+        str(BENCH_PY),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+    ]
     if Path("/opt/wheels").is_dir():  # a local CPU wheel of torch on the project's machines
         cmd += ["--find-links", "/opt/wheels"]
     cmd += ["-c", str(ROOT / "constraints.txt"), *REQUIREMENTS]
@@ -168,7 +179,11 @@ def worker_gpufleet(a: argparse.Namespace) -> None:
     errors = [p for p in resolved.problems if p.severity == "error"]
     if errors:
         raise SystemExit("\n".join(p.render() for p in errors))
-    settings = {f"{sec}.{f}": str(v) for sec in ("algorithm", "rollout", "train") for f, v in getattr(resolved.job, sec)}
+    settings = {
+        f"{sec}.{f}": str(v)
+        for sec in ("algorithm", "rollout", "train")
+        for f, v in getattr(resolved.job, sec)
+    }
     print("[vs_trl] gpufleet job:", json.dumps(settings), flush=True)
     ends: list[float] = []
     cpu_ends: list[float] = []
@@ -190,11 +205,12 @@ def worker_gpufleet(a: argparse.Namespace) -> None:
             "settings": settings,
             "threads": torch.get_num_threads(),
             "step_time": _intervals(ends, own[0]),
+            # (the first entry includes train()'s model build: it is a warm-up step)
             "cpu_step_time": _intervals(cpu_ends, cpu_ends[0] - cpu_train),
             "inner_step_time": own,
             "reward": [r["reward"] for r in rows],
             "completion_length": [r["completions/mean_length"] for r in rows],
-            "setup_s": t_train - t_start,
+            "setup_s": ends[0] - own[0] - t_start,  # imports, job, model, optimizer: until step 1 starts
             "train_s": t_done - t_train,
             "wall_s": t_done - t_start,
         },
@@ -322,7 +338,7 @@ def worker_trl(a: argparse.Namespace) -> None:
             "inner_step_time": [e - b for b, e in zip(begins, ends, strict=True)],
             "reward": rewards,
             "completion_length": lengths,
-            "setup_s": t_train - t_start,
+            "setup_s": begins[0] - t_start,  # imports, model, dataset, trainer: until step 1 starts
             "train_s": t_done - t_train,
             "wall_s": t_done - t_start,
         },
@@ -363,7 +379,9 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(a.threads), cwd=ROOT).returncode
+        rc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(a.threads), cwd=ROOT
+        ).returncode
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"[vs_trl] {kind} seed {seed} failed (exit {rc}); log {log}:\n{tail}")
@@ -388,7 +406,7 @@ def measure_startup(runs: int, threads: int) -> dict[str, list[float]]:
     """Wall time of each command as a whole process; the commands are interleaved run by run."""
     times: dict[str, list[float]] = {k: [] for k in STARTUP}
     env = child_env(threads)
-    for name, args in STARTUP.items():  # one untimed run each: warm the page cache and .pyc files
+    for args in STARTUP.values():  # one untimed run each: warm the page cache and .pyc files
         subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, check=True)
     for _ in range(runs):
         for name, args in STARTUP.items():
@@ -426,7 +444,10 @@ def orchestrate(a: argparse.Namespace) -> None:
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="gpufleet-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] {versions()}; {cpu_model()}, {os.cpu_count()} cores; torch threads {a.threads} (both)")
-    print(f"[vs_trl] work dir {work}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    print(
+        f"[vs_trl] gpufleet from {SRC}; work dir {work}; load average {os.getloadavg()[0]:.2f} at start",
+        flush=True,
+    )
 
     # Materialize the model once, up front, so neither trainer pays for building it.
     subprocess.run(
@@ -450,7 +471,7 @@ def orchestrate(a: argparse.Namespace) -> None:
             loads.append(r["load_after"])
             w = r["step_time"][a.warmup :]
             print(
-                f"  {kind:8s} seed {seed}: median step {med(w) * 1000:6.0f} ms (cpu {med(r['cpu_step_time'][a.warmup:]) * 1000:5.0f} ms)"
+                f"  {kind:8s} seed {seed}: median step {med(w) * 1000:6.0f} ms (cpu {med(r['cpu_step_time'][a.warmup :]) * 1000:5.0f} ms)"
                 f"  last-10 reward {mean(r['reward'][-10:]):.3f}  peak RSS {r['peak_rss_mib']:.0f} MiB"
                 f"  run {r['process_s']:.1f} s  (load {r['load_before']:.2f} -> {r['load_after']:.2f})",
                 flush=True,
@@ -467,7 +488,9 @@ def report(a, results, startup, loads, work: Path) -> None:
         return [mean([r["reward"][s] for r in runs]) for s in range(min(len(r["reward"]) for r in runs))]
 
     g_curve, t_curve = curve("gpufleet"), curve("trl")
-    print(f"\nreward (mean over seeds {','.join(map(str, a.seeds))}); 'mean{k}' = mean of the {k} steps ending there")
+    print(
+        f"\nreward (mean over seeds {','.join(map(str, a.seeds))}); 'mean{k}' = mean of the {k} steps ending there"
+    )
     print(f"  {'step':>5}  {'gpufleet':>9} {'mean' + str(k):>7}   {'TRL':>9} {'mean' + str(k):>7}")
     for s in range(k, len(g_curve) + 1, k):
         print(
@@ -493,7 +516,12 @@ def report(a, results, startup, loads, work: Path) -> None:
     t_last = mean([mean(r["reward"][-10:]) for r in results["trl"]])
     g_first = mean([mean(r["reward"][:10]) for r in results["gpufleet"]])
     t_first = mean([mean(r["reward"][:10]) for r in results["trl"]])
-    ratios = [g / t for g, t in zip(per_seed_median("gpufleet", "step_time"), per_seed_median("trl", "step_time"), strict=True)]
+
+    def seed_ratios(key: str) -> str:
+        pairs = zip(per_seed_median("gpufleet", key), per_seed_median("trl", key), strict=True)
+        return ", ".join(f"{g / t:.2f}" for g, t in pairs)
+
+    contention = max(g_step / g_cpu, t_step / t_cpu)  # ~1.0 when each process had a core to itself
 
     def su(name: str) -> str:
         return f"{med(startup[name]) * 1000:.0f} ms" if name in startup else "-"
@@ -512,11 +540,12 @@ def report(a, results, startup, loads, work: Path) -> None:
         "",
         "| | gpufleet | TRL 1.16 | gpufleet / TRL |",
         "|---|---:|---:|---:|",
-        f"| step time (wall, median) | {g_step * 1000:.0f} ms | {t_step * 1000:.0f} ms | **{g_step / t_step:.2f}** (per seed: {', '.join(f'{x:.2f}' for x in ratios)}) |",
-        f"| step time (CPU s of the process, median) | {g_cpu * 1000:.0f} ms | {t_cpu * 1000:.0f} ms | {g_cpu / t_cpu:.2f} |",
+        f"| step time (wall, median) | {g_step * 1000:.0f} ms | {t_step * 1000:.0f} ms | **{g_step / t_step:.2f}** (per seed: {seed_ratios('step_time')}) |",
+        f"| step time (CPU time of the process, median) | {g_cpu * 1000:.0f} ms | {t_cpu * 1000:.0f} ms | **{g_cpu / t_cpu:.2f}** (per seed: {seed_ratios('cpu_step_time')}) |",
+        f"| wall / CPU per step (1.00: a core to itself) | {g_step / g_cpu:.2f} | {t_step / t_cpu:.2f} | |",
         f"| completions/s | {BATCH / g_step:.1f} | {BATCH / t_step:.1f} | {t_step / g_step:.2f}x |",
         f"| peak RSS (ru_maxrss, max over seeds) | {g_rss:.0f} MiB | {t_rss:.0f} MiB | {g_rss / t_rss:.2f} |",
-        f"| set-up in process (imports, model, trainer) | {g_setup:.1f} s | {t_setup:.1f} s | {g_setup / t_setup:.2f} |",
+        f"| time to the first step in the process (imports, model, trainer) | {g_setup:.1f} s | {t_setup:.1f} s | {g_setup / t_setup:.2f} |",
         f"| whole training process, {a.steps} steps | {g_wall:.1f} s | {t_wall:.1f} s | {g_wall / t_wall:.2f} |",
         f"| start-up: `gpufleet --version` vs `import trl` | {su('python -m gpufleet --version')} | {su(STARTUP_TRL)} | {su_ratio('python -m gpufleet --version', STARTUP_TRL)} |",
         f"| start-up: `import gpufleet.rl.trainer` vs `from trl import GRPOTrainer` | {su('python -c ' + repr('import gpufleet.rl.trainer'))} | {su(STARTUP_TRL_FULL)} | {su_ratio('python -c ' + repr('import gpufleet.rl.trainer'), STARTUP_TRL_FULL)} |",
@@ -524,6 +553,14 @@ def report(a, results, startup, loads, work: Path) -> None:
         f"| reward, mean of last 10 steps | {g_last:.3f} | {t_last:.3f} | |",
         "",
         f"(`python -c pass`: {su('python -c pass')}. Goal for the step-time ratio: <= 0.5. Raw data: {work / 'results.json'}.)",
+        *(
+            [
+                f"(wall / CPU reached {contention:.2f}: other processes took CPU during the run, so the wall"
+                " times are inflated and noisy; the CPU-time row is the one to compare.)"
+            ]
+            if contention > 1.15
+            else []
+        ),
     ]
     print("\n" + "=" * 30 + " summary (paste into README) " + "=" * 30)
     print("\n".join(lines))
@@ -543,16 +580,32 @@ def main() -> None:
         default=[42, 43, 44],
         help="comma-separated seeds; each trainer runs once per seed (default 42,43,44)",
     )
-    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate of both (default 3e-3, as the quickstart)")
-    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in both trainers (default 1)")
-    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time medians (default 5)")
+    ap.add_argument(
+        "--lr", type=float, default=3e-3, help="learning rate of both (default 3e-3, as the quickstart)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads in both trainers (default 1)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=5, help="steps left out of the step-time medians (default 5)"
+    )
     ap.add_argument("--every", type=int, default=5, help="print the reward table every k steps (default 5)")
     ap.add_argument("--startup-runs", type=int, default=5, help="runs of each start-up command (0 = skip)")
-    ap.add_argument("--out", default=None, help="work dir for runs, logs, results.json (default: a new /tmp dir)")
+    ap.add_argument(
+        "--out", default=None, help="work dir for runs, logs, results.json (default: a new /tmp dir)"
+    )
+    ap.add_argument(
+        "--src",
+        default=None,
+        help="gpufleet source folder to benchmark (default: this checkout's src/; e.g. a `git archive` snapshot)",
+    )
     ap.add_argument("--worker", choices=("gpufleet", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global SRC
+    if a.src:
+        SRC = Path(a.src).resolve()
     if a.worker is None and not in_bench_venv():
         reexec_in_bench_venv()  # does not return
     if a.worker == "gpufleet":

@@ -40,7 +40,7 @@ def grads_for(job, scored, parts, micro):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_gradient_does_not_depend_on_micro_batch(tmp_path, loss_type):
     job = make_job(tmp_path, f"algorithm.loss_type={loss_type}", "algorithm.beta=0.1")
-    parts = trainer.build(job, torch.device("cpu"))
+    parts = trainer.build(job)
     parts.policy.double()
     parts.reference.double()
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
@@ -59,7 +59,7 @@ def test_reused_batch_keeps_generating_logprobs(tmp_path):
     job = make_job(
         tmp_path, "train.steps_per_generation=2", "train.per_device_batch=4", "algorithm.num_iterations=2"
     )
-    parts = trainer.build(job, torch.device("cpu"))
+    parts = trainer.build(job)
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     assert (
         scored.batch.old_logprobs is not None
@@ -106,7 +106,7 @@ def test_train_writes_metrics_samples_and_model(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     trained = dict(model.named_parameters())
-    parts = trainer.build(job, torch.device("cpu"))
+    parts = trainer.build(job)
     initial = dict(parts.policy.named_parameters())
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # it learned something
     assert last["step"] == 3
@@ -139,7 +139,7 @@ def bad_reward_value(prompts, completions, **kw):
 )
 def test_bad_reward_functions(tmp_path, fn, text):
     job = make_job(tmp_path, f"reward.functions=test_trainer:{fn}")
-    parts = trainer.build(job, torch.device("cpu"))
+    parts = trainer.build(job)
     with pytest.raises(UserError) as e:
         trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     assert text in str(e.value) and fn in str(e.value) and "Fix:" in str(e.value)
@@ -157,7 +157,7 @@ def test_dataset_without_prompt_field(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"question": "x"}\n')
     job = make_job(tmp_path, f"data.path={tmp_path}/d.jsonl", "reward.functions=repeat/chars")
     with pytest.raises(UserError) as e:
-        trainer.build(job, torch.device("cpu"))
+        trainer.build(job)
     assert "data.prompt_field" in str(e.value) and "question" in str(e.value)
 
 
@@ -165,6 +165,6 @@ def test_local_dataset_columns_reach_rewards(tmp_path):
     rows = [{"prompt": f"{c}:", "target": c * 8} for c in "abcd"]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     job = make_job(tmp_path, f"data.path={tmp_path}/d.jsonl", "reward.functions=repeat/chars")
-    parts = trainer.build(job, torch.device("cpu"))
+    parts = trainer.build(job)
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     assert len(scored.completions) == 8 and scored.prompts[0].endswith(":")

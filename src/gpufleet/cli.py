@@ -48,8 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
     c = job_verb("train", "check the job, then train it and save the model, metrics and samples")
     c.add_argument(
-        "--gpus", default="auto", metavar="SPEC", help="hardware (default: detect); cpu forces the CPU"
+        "--gpus",
+        default="auto",
+        metavar="SPEC",
+        help="auto (detect) or cpu: run on the CPU, each placement device id becoming a CPU process",
     )
+    c.add_argument("--print-launch", action="store_true", help="print the torchrun command per node and exit")
+    c.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -78,10 +83,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from gpufleet.commands import show_config
 
             return show_config(args.job, args.sets, args.format, env)
-        if args.verb == "train":
-            from gpufleet.commands import train_command
+        if args.verb == "train" and args.worker:
+            from gpufleet.launch.worker import run_worker
 
-            return train_command(args.job, args.sets, args.gpus, env)
+            return run_worker(args.job, args.gpus)
+        if args.verb == "train":
+            from gpufleet.launch.train import train_command
+
+            return train_command(args.job, args.sets, args.gpus, env, print_launch=args.print_launch)
     except UserError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -67,6 +67,9 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu") ->
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")

@@ -227,6 +227,10 @@ class LaunchSection(Section):
     max_restarts: int = Field(0, ge=0)
     """Times torchrun restarts all workers after a failure (each restart resumes from the last checkpoint)."""
 
+    collective_timeout: int = Field(600, ge=10)
+    """Seconds a collective (all-reduce, gather) may wait before it fails. A rank that dies does not
+    make the others wait this long: torchrun stops them as soon as it sees the failure."""
+
 
 class OutputSection(Section):
     dir: str = "runs/default"

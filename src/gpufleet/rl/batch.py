@@ -1,8 +1,13 @@
 """The generation batch: sequences, masks, advantages and (when needed) old / reference log-probs.
 
-`make_generation_batch` turns prompts into one scored batch (rollout -> rewards -> advantages).
-The trainer then takes `per_device_batch` rows of it per optimizer step (`rows`), and micro-batches
-of those (`split`).
+Layout of one generation batch across ranks. Its rows are the completions of P prompts, G each, in
+(prompt, generation) order: row j is generation j % G of prompt j // G. Optimizer step s of the
+generation batch uses the rows [s*B, (s+1)*B) where B = per_device_batch x policy ranks, and policy
+rank r holds [s*B + r*b, s*B + (r+1)*b) of them (b = per_device_batch). So which completions enter
+which optimizer step does not depend on the number of ranks, only on the global batch.
+
+Each rank keeps its rows in step-major order; the trainer takes `per_device_batch` of them per
+optimizer step (`rows`) and micro-batches of those (`split`).
 """
 
 from __future__ import annotations
@@ -40,13 +45,22 @@ class GenerationBatch:
         return int(self.completion_mask.sum().item())
 
 
-def completion_seeds(seed: int, positions: list[int], num_generations: int) -> list[int]:
-    """One sampling seed per completion, from (train.seed, prompt stream position, index in group).
+def rank_rows(
+    policy_index: int, policy_size: int, per_device_batch: int, steps_per_generation: int
+) -> list[int]:
+    """Global row indices of the generation batch that policy rank `policy_index` holds, in step order."""
+    step_rows = per_device_batch * policy_size
+    first = policy_index * per_device_batch
+    return [s * step_rows + first + i for s in range(steps_per_generation) for i in range(per_device_batch)]
+
+
+def completion_seed(seed: int, position: int, generation: int) -> int:
+    """Sampling seed of one completion, from (train.seed, prompt stream position, index in its group).
 
     Seeding per prompt, not per rank, makes the completions independent of how prompts are split
     across ranks or batches.
     """
-    return [(seed * 1_000_003 + p) * 1_009 + g for p in positions for g in range(num_generations)]
+    return (seed * 1_000_003 + position) * 1_009 + generation
 
 
 @torch.no_grad()

@@ -87,12 +87,15 @@ class RewardModel:
 class Rewards:
     """All reward sources of a job, in order: functions, then the model. `names` label the metrics."""
 
-    def __init__(self, cfg: RewardSection, default_names: list[str], device: torch.device):
+    def __init__(
+        self, cfg: RewardSection, default_names: list[str], device: torch.device, model_here: bool = True
+    ):
         names = list(cfg.functions) or list(default_names)
-        self.fns: list[Callable] = [resolve_function(n) for n in names]
+        self.fns: list[Callable | None] = [resolve_function(n) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
-            self.fns.append(RewardModel(cfg.model, device))
+            # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
+            self.fns.append(RewardModel(cfg.model, device) if model_here else None)
             self.names.append("reward_model")
         if not self.fns:
             raise UserError(
@@ -110,16 +113,16 @@ class Rewards:
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self.labels = self.names
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
-        """(N, F) float tensor; NaN where a function returned None."""
-        cols = {
-            k: v for k, v in columns.items() if k not in ("prompt", "completion", "prompts", "completions")
-        }
+    def __call__(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], model_scores=None
+    ) -> torch.Tensor:
+        """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank."""
+        skip = ("prompt", "completion", "prompts", "completions")
+        cols = {k: v for k, v in columns.items() if k not in skip}
         out = torch.empty(len(completions), len(self.fns), dtype=torch.float32)
         for j, (fn, label) in enumerate(zip(self.fns, self.labels, strict=True)):
-            out[:, j] = torch.tensor(
-                _call_checked(fn, label, prompts, completions, cols), dtype=torch.float32
-            )
+            values = model_scores if fn is None else _call_checked(fn, label, prompts, completions, cols)
+            out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out
 
 

@@ -23,6 +23,7 @@ beyond the logits themselves, float32 temporaries over the vocabulary exist for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,6 @@ def _sample(
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
 
 
-@torch.inference_mode()
 def generate(
     model: torch.nn.Module,
     prompt_ids: list[list[int]],
@@ -139,11 +139,14 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
 
     ``temperature == 0`` is greedy decoding (the seeds are then unused). ``top_k == 0`` and
     ``top_p == 1`` disable those filters; they apply after the temperature, top-k first (as in HF).
+    ``all_done``: when the model's forward is a collective (FSDP), every rank must run the same number
+    of steps; this callback turns "my rows are done" into "every rank's rows are done".
     """
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
@@ -154,12 +157,27 @@ def generate(
             f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}"
         )
 
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2 keeps its all-gathered parameters in buffers reused by training: inference tensors there
+    # would poison them, so a sharded model samples under no_grad instead of inference_mode.
+    no_grad = torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
     was_training = model.training
     model.eval()  # no dropout while sampling; the caller's mode is restored below
     try:
-        return _decode(
-            model, prompt_ids, seeds, max_new_tokens, eos_token_id, pad_token_id, temperature, top_p, top_k
-        )
+        with no_grad:
+            return _decode(
+                model,
+                prompt_ids,
+                seeds,
+                max_new_tokens,
+                eos_token_id,
+                pad_token_id,
+                temperature,
+                top_p,
+                top_k,
+                all_done,
+            )
     finally:
         model.train(was_training)
 
@@ -174,6 +192,7 @@ def _decode(
     temperature: float,
     top_p: float,
     top_k: int,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     from transformers import DynamicCache
 
@@ -207,7 +226,10 @@ def _decode(
         mask[:, width + t] = (~done).long()
         done |= token == eos_token_id
         steps = t + 1
-        if bool(done.all()):
+        finished = bool(done.all())
+        if all_done is not None:
+            finished = all_done(finished)
+        if finished:
             break
         step_input, positions = token.unsqueeze(1), next_pos
         next_pos = next_pos + 1

@@ -8,10 +8,10 @@ its ``reward_functions``. ``reward_names()`` lists them all; ``builtin_reward(na
 
 from __future__ import annotations
 
-from gpufleet.tasks import repeat
+from gpufleet.tasks import add, repeat
 from gpufleet.tasks.base import CHARS, RewardFn, Task
 
-TASKS: dict[str, Task] = {t.name: t for t in (repeat.TASK,)}
+TASKS: dict[str, Task] = {t.name: t for t in (repeat.TASK, add.TASK)}
 
 
 def get_task(name: str) -> Task:

@@ -1,0 +1,151 @@
+"""One code path for 1 or N processes: who am I, where do I run, and the process groups per role.
+
+RANK / WORLD_SIZE / LOCAL_RANK / GROUP_RANK are read here and nowhere else (torchrun sets them; a
+plain `gpufleet train` has none and is rank 0 of 1). Every node has the same layout: local ranks
+0..P-1 are policy ranks (one per policy device), the next ones are scorer ranks (reference / reward
+models on dedicated devices). The backend is NCCL on GPUs and gloo on the CPU.
+
+Collective timeout: `launch.collective_timeout` seconds (default 600) for every process group. A
+rank that dies does not wait for it: torchrun stops the other workers (SIGTERM, then SIGKILL after
+30 s) as soon as it sees a worker exit non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gpufleet.topology import Topology
+
+
+@dataclass
+class Runtime:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    node_rank: int = 0
+    role: str = "policy"  # "policy" or "scorer"
+    roles: tuple[str, ...] = ()  # for a scorer: the models it holds ("reference", "reward")
+    policy_ranks: list[int] = field(default_factory=lambda: [0])
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    policy_group: object | None = None
+    scorers: list[tuple[int, tuple[str, ...], object]] = field(default_factory=list)
+    """(scorer rank, its roles, the group {policy ranks + that scorer}) for every dedicated scorer."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def policy_index(self) -> int:
+        """Index among the policy ranks (the data-parallel rank)."""
+        return self.policy_ranks.index(self.rank)
+
+    @property
+    def policy_size(self) -> int:
+        return len(self.policy_ranks)
+
+    def dedicated(self, role: str) -> bool:
+        return any(role in roles for _, roles, _ in self.scorers)
+
+
+def env_rank(env: Mapping[str, str] | None = None) -> tuple[int, int, int, int]:
+    env = os.environ if env is None else env
+    return (
+        int(env.get("RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+    )
+
+
+def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
+    """Read the rank from the environment, pick the device, init the process groups."""
+    rank, world, local, node = env_rank()
+    nproc = topo.nproc_per_node
+    n_policy = len(topo.policy_devices)
+    if world > 1 and world != topo.world_size:
+        raise RuntimeError(f"torchrun started {world} processes but the placement needs {topo.world_size}")
+    policy_ranks = [n * nproc + i for n in range(topo.nnodes) for i in range(n_policy)]
+    if local < n_policy:
+        role, roles, dev_id = "policy", (), topo.policy_devices[local]
+    else:
+        dev_id, roles = topo.scorer_devices[local - n_policy]
+        role = "scorer"
+    device = torch.device("cpu") if cpu else torch.device("cuda", dev_id)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rt = Runtime(rank, world, local, node, role, tuple(roles), policy_ranks, device)
+    if world == 1:
+        return rt
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    # Every rank takes part in creating every group (new_group is collective over the world).
+    rt.policy_group = dist.new_group(policy_ranks, timeout=timedelta(seconds=timeout_s))
+    # One group per scorer: that scorer and the policy ranks of its node (objects travel over gloo).
+    for n in range(topo.nnodes):
+        node_policy = [n * nproc + i for i in range(n_policy)]
+        for s, (_, s_roles) in enumerate(topo.scorer_devices):
+            scorer_rank = n * nproc + n_policy + s
+            group = dist.new_group(
+                node_policy + [scorer_rank], timeout=timedelta(seconds=timeout_s), backend="gloo"
+            )
+            if rank in node_policy or rank == scorer_rank:
+                rt.scorers.append((scorer_rank, tuple(s_roles), group))
+    return rt
+
+
+def shutdown(rt: Runtime) -> None:
+    """barrier + destroy: a gloo run without it was seen to abort at exit."""
+    if rt.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(rt: Runtime, value: torch.Tensor | float) -> torch.Tensor:
+    """Sum over the policy ranks (identity on one process)."""
+    t = (
+        value.detach().clone()
+        if isinstance(value, torch.Tensor)
+        else torch.tensor(float(value), dtype=torch.float64)
+    )
+    if rt.distributed and rt.policy_size > 1:
+        t = t.to(rt.device) if rt.device.type == "cuda" else t
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
+    return t.cpu()
+
+
+def all_gather_rows(rt: Runtime, local: torch.Tensor) -> list[torch.Tensor]:
+    """Every policy rank's tensor (same shape on all ranks), in policy-rank order."""
+    if not rt.distributed or rt.policy_size == 1:
+        return [local]
+    x = local.to(rt.device) if rt.device.type == "cuda" else local.contiguous()
+    parts = [torch.empty_like(x) for _ in range(rt.policy_size)]
+    dist.all_gather(parts, x, group=rt.policy_group)
+    return [p.cpu() for p in parts]
+
+
+def all_true(rt: Runtime, flag: bool) -> bool:
+    """True when `flag` holds on every policy rank (used to end FSDP generation together)."""
+    if not rt.distributed or rt.policy_size == 1:
+        return flag
+    t = torch.tensor(
+        [0 if flag else 1], dtype=torch.int32, device=rt.device if rt.device.type == "cuda" else "cpu"
+    )
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
+    return int(t.item()) == 0

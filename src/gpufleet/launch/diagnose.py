@@ -1,0 +1,63 @@
+"""After a failed multi-process run: which rank failed first, why, and its last log lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Failure:
+    rank: int
+    kind: str
+    message: str
+    user_error: bool
+    tail: list[str]
+
+    def summary(self, logs: Path, exit_code: int) -> str:
+        if self.user_error:
+            return f"gpufleet: error: {self.message}"
+        lines = [f"gpufleet: rank {self.rank} failed: {self.kind}: {self.message}"]
+        if self.tail:
+            lines.append(f"  last lines of {logs / f'rank{self.rank}.log'}:")
+            lines += [f"    {x}" for x in self.tail]
+        lines.append(f"  every rank was stopped (torchrun exit code {exit_code}); all logs: {logs}/")
+        return "\n".join(lines)
+
+
+def first_failure(logs: Path, tail: int = 12) -> Failure | None:
+    """The earliest error record written by a worker (the root cause; later ones are its echoes)."""
+    records = []
+    for f in logs.glob("rank*.error.json"):
+        try:
+            records.append(json.loads(f.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    # A user error or an injected/real exception beats a peer's "connection closed" that follows it.
+    rec = min(
+        records, key=lambda r: (not r.get("user_error"), "Connection" in r.get("message", ""), r["time"])
+    )
+    log = logs / f"rank{rec['rank']}.log"
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-tail:] if log.exists() else []
+    return Failure(
+        rec["rank"],
+        rec["type"],
+        rec["message"].splitlines()[0] if rec["message"] else "",
+        bool(rec.get("user_error")),
+        lines,
+    )
+
+
+def unexplained(logs: Path, exit_code: int, tail: int = 12) -> str:
+    """No error record: a rank was killed (OOM killer, signal). Show every rank's last lines."""
+    lines = [
+        f"gpufleet: a worker died without an error record (torchrun exit code {exit_code}); "
+        "likely killed by a signal (out of memory?)."
+    ]
+    for log in sorted(logs.glob("rank*.log")):
+        body = log.read_text(encoding="utf-8", errors="replace").splitlines()[-3:]
+        lines.append(f"  {log.name}: " + (" | ".join(body) if body else "(empty)"))
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Launch N workers through torchrun (`python -m torch.distributed.run`), not a home-made spawner.
+
+`gpufleet train JOB` with more than one process re-executes itself as
+
+    python -m torch.distributed.run --nnodes N --nproc-per-node P [rendezvous] --max-restarts K \\
+        --monitor-interval 0.5 -m gpufleet train --worker RUN_DIR/job.yaml --gpus cpu|auto
+
+Workers read the resolved job that the launcher wrote (RUN_DIR/job.yaml), so every rank sees the
+same values whatever the environment of the node. Single node: a static rendezvous on
+`launch.master_addr:master_port` (`auto` = a free port picked now). Multi-node: c10d rendezvous on
+`launch.rdzv_endpoint`. OMP_NUM_THREADS defaults to cores / processes per node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpufleet.config.schema import Job
+from gpufleet.topology import Topology
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host != "localhost" else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(
+    job: Job,
+    topo: Topology,
+    job_file: Path,
+    *,
+    cpu: bool,
+    node_rank: int | None = None,
+    port: int | None = None,
+) -> list[str]:
+    """The exact command one node runs."""
+    la = job.launch
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(la.nnodes),
+        "--nproc-per-node",
+        str(topo.nproc_per_node),
+    ]
+    if la.nnodes > 1:
+        run_id = hashlib.sha1(str(Path(job.output.dir).resolve()).encode()).hexdigest()[:12]
+        argv += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            la.rdzv_endpoint or "",
+            "--rdzv-id",
+            f"gpufleet-{run_id}",
+            "--node-rank",
+            str(la.node_rank if node_rank is None else node_rank),
+        ]
+    else:
+        if port is None:
+            port = free_port(la.master_addr) if la.master_port == "auto" else int(la.master_port)
+        argv += ["--master-addr", la.master_addr, "--master-port", str(port)]
+    argv += [
+        "--max-restarts",
+        str(la.max_restarts),
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "gpufleet",
+        "train",
+        "--worker",
+        str(job_file),
+        "--gpus",
+        "cpu" if cpu else "auto",
+    ]
+    return argv
+
+
+def worker_env(
+    topo: Topology, env: Mapping[str, str] | None = None, cpu_count: int | None = None
+) -> dict[str, str]:
+    env = dict(os.environ if env is None else env)
+    cores = cpu_count or os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(topo.nproc_per_node, 1))))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def describe_launch(job: Job, topo: Topology, job_file: Path, *, cpu: bool, job_arg: str) -> str:
+    """`--print-launch`: what would run on each node, without running it."""
+    lines = []
+    nodes = range(job.launch.nnodes)
+    for n in nodes:
+        if job.launch.nnodes > 1:
+            lines.append(f"# node {n}: gpufleet train {job_arg} --set launch.node_rank={n}  (runs:)")
+        else:
+            lines.append(f"# gpufleet train {job_arg} runs:")
+        port = None if job.launch.master_port == "auto" else int(job.launch.master_port)
+        argv = torchrun_argv(job, topo, job_file, cpu=cpu, node_rank=n, port=port or 0)
+        if job.launch.nnodes == 1 and port is None:
+            argv[argv.index("--master-port") + 1] = "<free port chosen at launch>"
+        env = worker_env(topo)
+        lines.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
+    return "\n".join(lines)

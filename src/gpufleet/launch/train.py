@@ -1,0 +1,103 @@
+"""`gpufleet train`: check everything, prepare the run directory, then train in-process (1 process)
+or through torchrun (N processes), and print where the results are or why it failed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from gpufleet.commands import render_problems, render_yaml, summary
+from gpufleet.config.checks import holds_run, run_checks
+from gpufleet.config.load import load_job
+from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.hardware import resolve_hardware
+
+
+def train_command(
+    job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], *, print_launch: bool = False
+) -> int:
+    hw = resolve_hardware(gpus, env)
+    r = load_job(job, sets, env)
+    problems, ctx = run_checks(r, hw, env)
+    if any(p.severity == "error" for p in problems):
+        print(render_problems(problems), file=sys.stderr)
+        print(summary(problems) + " Nothing was started.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    for p in problems:
+        print(p.render())
+    topo, jb = ctx.topo, r.job
+    out = Path(jb.output.dir).expanduser()
+    job_file = out / "job.yaml"
+    if print_launch:
+        from gpufleet.launch.torchrun import describe_launch
+
+        if topo.world_size == 1:
+            print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
+        else:
+            print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job))
+        return 0
+    if (out / "final" / "config.json").is_file() and jb.output.resume == "auto":
+        print(f"{out} already holds a finished run (final model in {out / 'final'}); nothing to do.")
+        print(f"Start another with --set output.dir={str(out).rstrip('/')}-2")
+        return 0
+    if holds_run(out):  # a run that did not finish: its logs are kept aside, not overwritten
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (out / name).exists():
+                (out / name).replace(out / f"{name}.previous")
+    out.mkdir(parents=True, exist_ok=True)
+    job_file.write_text(render_yaml(r) + "\n", encoding="utf-8")
+    a, t = jb.algorithm, jb.train
+    print(f"gpufleet train {job}: {jb.model.path}; {topo.describe()}; {hw.describe()}", flush=True)
+    print(
+        f"  {a.name}: G={a.num_generations}, loss {a.loss_type}, {a.importance_level} level, beta {a.beta}; "
+        f"{t.max_steps} steps x {t.per_device_batch * topo.policy_ranks} completions; data {jb.data.path}; "
+        f"output {out}",
+        flush=True,
+    )
+    if topo.world_size == 1:
+        code = _in_process(jb, out, hw, topo)
+    else:
+        code = _torchrun(jb, topo, job_file, out, hw, env)
+    if code == 0:
+        print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
+        print(f"  metrics: {out / 'metrics.jsonl'}")
+        print(f"  samples: {out / 'samples.jsonl'}")
+    return code
+
+
+def _in_process(job, out: Path, hw, topo) -> int:
+    import torch
+
+    from gpufleet.dist import Runtime
+    from gpufleet.rl.trainer import train
+
+    device = torch.device("cpu") if hw.is_cpu else torch.device("cuda", topo.policy_devices[0])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    last = train(job, out, Runtime(device=device))
+    print(f"done: reward {last.get('reward', float('nan')):.3f} at step {int(last.get('step', 0))}")
+    return 0
+
+
+def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
+    from gpufleet.launch.diagnose import first_failure, unexplained
+    from gpufleet.launch.torchrun import torchrun_argv, worker_env
+
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for stale in logs.glob("rank*.error.json"):
+        stale.unlink()
+    argv = torchrun_argv(job, topo, job_file, cpu=hw.is_cpu)
+    with (logs / "torchrun.log").open("a", encoding="utf-8") as agent_log:
+        proc = subprocess.run(argv, env=worker_env(topo, env), stdout=None, stderr=agent_log, check=False)
+    if proc.returncode == 0:
+        print("done.")
+        return 0
+    failure = first_failure(logs)
+    if failure is None:
+        print(unexplained(logs, proc.returncode), file=sys.stderr)
+        return 1
+    print(failure.summary(logs, proc.returncode), file=sys.stderr)
+    return EXIT_USER_ERROR if failure.user_error else 1

@@ -1,0 +1,99 @@
+"""A torchrun worker: per-rank log, role dispatch (policy trains, scorer serves), error record.
+
+Every rank writes RUN_DIR/logs/rank<R>.log; only rank 0 also prints to the console. A rank that
+raises writes RUN_DIR/logs/rank<R>.error.json (type, message, traceback, whether it is a user error)
+before exiting non-zero, so the launcher can name the rank and the cause in one summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from gpufleet.errors import UserError
+
+
+class _Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+            s.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _setup_logs(logs: Path, rank: int):
+    logs.mkdir(parents=True, exist_ok=True)
+    f = (logs / f"rank{rank}.log").open("a", encoding="utf-8", buffering=1)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    f.write(
+        f"--- rank {rank} start {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {attempt} pid {os.getpid()}\n"
+    )
+    if rank == 0:
+        sys.stdout = _Tee(sys.__stdout__, f)
+        sys.stderr = _Tee(sys.__stderr__, f)
+    else:  # everything, including C-level output, goes to the file only
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f
+    return f
+
+
+def run_worker(job_file: str, gpus: str) -> int:
+    from gpufleet import dist
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import resolve_hardware
+    from gpufleet.topology import resolve_topology
+
+    r = load_job(job_file, env={})  # the launcher's resolved job: no env/flag layers again
+    job = r.job
+    rank = dist.env_rank()[0]
+    out = Path(job.output.dir).expanduser()
+    logs = out / "logs"
+    (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
+    _setup_logs(logs, rank)
+    try:
+        hw = resolve_hardware(gpus)
+        topo, _ = resolve_topology(r, hw)
+        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout)
+        print(
+            f"rank {rt.rank}/{rt.world_size} ({rt.role}{' ' + '+'.join(rt.roles) if rt.roles else ''}) "
+            f"on {rt.device}, node {rt.node_rank}",
+            file=sys.stderr if rt.rank else sys.stdout,
+            flush=True,
+        )
+        if rt.role == "scorer":
+            from gpufleet.rl.scorer import serve
+
+            serve(rt, job)
+        else:
+            from gpufleet.rl.trainer import train
+
+            train(job, out, rt)
+        dist.shutdown(rt)
+        return 0
+    except BaseException as e:
+        record = {
+            "rank": rank,
+            "type": type(e).__name__,
+            "message": str(e),
+            "user_error": isinstance(e, UserError),
+            "traceback": traceback.format_exc(),
+            "time": time.time(),
+        }
+        (logs / f"rank{rank}.error.json").write_text(json.dumps(record), encoding="utf-8")
+        traceback.print_exc()
+        return 2 if isinstance(e, UserError) else 1

@@ -1,0 +1,51 @@
+"""Policy parallelism, applied once in a fixed place: DDP or FSDP2 over the policy ranks only.
+
+The reference / reward models never join these groups: policy gradients are reduced only inside
+the policy process group. FSDP2 (`torch.distributed.fsdp.fully_shard`) shards every decoder layer and
+then the root (embeddings, final norm, head), on a 1-D mesh made from the policy group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpufleet.dist import Runtime
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a causal LM (Llama/Qwen/Mistral/Gemma: model.layers; GPT-2: h)."""
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None) or model
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard with FSDP")
+    return list(layers)
+
+
+def wrap_policy(policy: torch.nn.Module, strategy: str, rt: Runtime) -> torch.nn.Module:
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [rt.device.index] if rt.device.type == "cuda" else None
+        return DistributedDataParallel(policy, device_ids=ids, process_group=rt.policy_group)
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(rt.policy_group, rt.device.type)
+        for layer in decoder_layers(policy):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(policy, mesh=mesh)
+        return policy
+    raise ValueError(f"unknown placement.strategy {strategy!r}")
+
+
+def full_state_dict(model: torch.nn.Module, rt: Runtime) -> dict[str, torch.Tensor] | None:
+    """The unwrapped model's full state dict on CPU (gathered from FSDP shards; a collective then)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    inner = getattr(model, "module", model)  # DDP
+    return {k: v.detach().cpu() for k, v in inner.state_dict().items()} if rt.is_main else None

@@ -1,0 +1,82 @@
+"""A dedicated scorer rank: reference log-probs and reward-model scores for the policy ranks.
+
+When `placement.reference` / `placement.reward` name device ids, those models live only in a scorer
+rank on that device. Each generation step, every policy rank sends the scorer its sequences and gets
+back the reference log-probs and/or reward-model scores (gather_object / scatter_object_list over a
+gloo group of {the node's policy ranks, the scorer}). A policy rank sends `None` when it is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gpufleet.config.schema import Job
+from gpufleet.dist import Runtime
+
+
+def request(rt: Runtime, payload: dict) -> dict:
+    """Send `payload` to every scorer of this rank; merge their answers ({"ref_logprobs", "rm_scores"})."""
+    answer: dict = {}
+    for scorer_rank, _, group in rt.scorers:
+        dist.gather_object(payload, None, dst=scorer_rank, group=group)
+        out = [None]
+        dist.scatter_object_list(out, None, src=scorer_rank, group=group)
+        answer.update(out[0])
+    return answer
+
+
+def stop(rt: Runtime) -> None:
+    for scorer_rank, _, group in rt.scorers:
+        dist.gather_object(None, None, dst=scorer_rank, group=group)
+        dist.scatter_object_list([None], None, src=scorer_rank, group=group)
+
+
+def serve(rt: Runtime, job: Job, log=print) -> None:
+    """The scorer's loop: answer every policy rank until all of them say stop."""
+    from gpufleet.models import load_causal_lm
+    from gpufleet.rl.batch import GenerationBatch, logprobs_of
+    from gpufleet.rl.rewards import RewardModel
+    from gpufleet.rl.trainer import autocast_for, model_dtype
+
+    _, roles, group = rt.scorers[0]
+    reference = None
+    if "reference" in roles and job.algorithm.beta > 0:
+        reference = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device)).eval()
+        reference.requires_grad_(False)
+    reward_model = (
+        RewardModel(job.reward.model, rt.device) if "reward" in roles and job.reward.model else None
+    )
+    autocast = autocast_for(job, rt.device)
+    micro = job.train.micro_batch or job.train.per_device_batch
+    members = dist.get_world_size(group)
+    log(f"scorer rank {rt.rank} on {rt.device}: {', '.join(roles)}")
+    while True:
+        payloads: list = [None] * members
+        dist.gather_object(None, payloads, dst=rt.rank, group=group)
+        if all(p is None for p in payloads):
+            dist.scatter_object_list([None], [{}] * members, src=rt.rank, group=group)
+            return
+        answers = []
+        for p in payloads:
+            if p is None:
+                answers.append({})
+                continue
+            out: dict = {}
+            if reference is not None:
+                batch = GenerationBatch(
+                    p["input_ids"].to(rt.device),
+                    p["attention_mask"].to(rt.device),
+                    torch.zeros(0),
+                    torch.zeros(0),
+                    None,
+                    None,
+                    p["completion_start"],
+                )
+                out["ref_logprobs"] = logprobs_of(
+                    reference, batch, job.rollout.temperature, micro, autocast
+                ).cpu()
+            if reward_model is not None:
+                out["rm_scores"] = reward_model(p["prompts"], p["completions"])
+            answers.append(out)
+        dist.scatter_object_list([None], answers, src=rt.rank, group=group)
