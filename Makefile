@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/gpufleet check examples/quickstart.yaml
-	$(VENV)/bin/gpufleet config examples/quickstart.yaml
+	rm -rf runs/demo
+	$(VENV)/bin/gpufleet train examples/quickstart.yaml --set output.dir=runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -32,6 +33,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/startup.py
+	$(PY) bench/scaling.py
+	$(PY) bench/vs_trl.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

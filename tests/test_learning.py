@@ -36,7 +36,8 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
     assert "model:" in out and str(run / "final") in out
     # A second `train` on a finished run does nothing and loses nothing.
     before = (run / "metrics.jsonl").read_text()
-    assert main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}"], env={}) == 0
+    assert main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90"],
+                env={}) == 0
     assert "already holds a finished run" in capsys.readouterr().out
     assert (run / "metrics.jsonl").read_text() == before
 

@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     c = job_verb("config", "print the resolved job and where each value came from")
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
+    c = job_verb("plan", "predict the memory of every device; which role goes where; the largest that fits")
+    c.add_argument("--gpus", default="auto", metavar="SPEC",
+                   help="hardware to plan for: auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB")
+    c.add_argument("--format", choices=("table", "json"), default="table")
     c = job_verb("train", "check the job, then train it and save the model, metrics and samples")
     c.add_argument(
         "--gpus",
@@ -54,7 +58,13 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (detect) or cpu: run on the CPU, each placement device id becoming a CPU process",
     )
     c.add_argument("--print-launch", action="store_true", help="print the torchrun command per node and exit")
+    c.add_argument("--force", action="store_true", help="train even if the job is predicted not to fit in memory")
     c.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    e = sub.add_parser("export", help="write a checkpoint (or the final model) as a Hugging Face model folder",
+                       description="write a checkpoint (or the final model) as a Hugging Face model folder")
+    e.add_argument("run_dir", help="a run directory (output.dir of a gpufleet train run)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the final model, else the newest)")
+    e.add_argument("--to", required=True, help="the folder to write (new or empty)")
     return p
 
 
@@ -83,6 +93,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from gpufleet.commands import show_config
 
             return show_config(args.job, args.sets, args.format, env)
+        if args.verb == "plan":
+            from gpufleet.plan.command import plan_command
+
+            return plan_command(args.job, args.sets, args.gpus, args.format, env)
+        if args.verb == "export":
+            from gpufleet.launch.export import export_command
+
+            return export_command(args.run_dir, args.step, args.to)
         if args.verb == "train" and args.worker:
             from gpufleet.launch.worker import run_worker
 
@@ -90,7 +108,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.verb == "train":
             from gpufleet.launch.train import train_command
 
-            return train_command(args.job, args.sets, args.gpus, env, print_launch=args.print_launch)
+            return train_command(args.job, args.sets, args.gpus, env, print_launch=args.print_launch,
+                                 force=args.force)
     except UserError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -90,8 +90,17 @@ def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
     if world == 1:
         return rt
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # torchrun keeps one store across restarts: without a per-attempt prefix, a restarted worker reads
+    # the addresses its dead predecessors published for the sub-groups and fails to connect.
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend=backend,
+        store=dist.PrefixStore(f"/gpufleet/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )

@@ -587,3 +587,13 @@ def output_dir(ctx: Context):
             f"checkpoint {o.resume} does not exist.",
             "--set output.resume=auto (newest checkpoint in output.dir) or the path of a checkpoints/step-N folder",
         )
+
+
+def _fit(ctx: Context):
+    """Memory: every device must hold what the plan puts on it (see gpufleet.plan)."""
+    from gpufleet.plan.placement import fit_problems
+
+    return fit_problems(ctx)
+
+
+rule(_fit)

@@ -3,6 +3,7 @@ or through torchrun (N processes), and print where the results are or why it fai
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,11 +17,16 @@ from gpufleet.hardware import resolve_hardware
 
 
 def train_command(
-    job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], *, print_launch: bool = False
+    job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], *, print_launch: bool = False,
+    force: bool = False,
 ) -> int:
     hw = resolve_hardware(gpus, env)
     r = load_job(job, sets, env)
     problems, ctx = run_checks(r, hw, env)
+    if force:  # --force: a predicted out-of-memory is the user's call; every other rule still holds
+        for p in problems:
+            if p.extra.get("rule") == "fit" and p.severity == "error":
+                p.severity = "warning"
     if any(p.severity == "error" for p in problems):
         print(render_problems(problems), file=sys.stderr)
         print(summary(problems) + " Nothing was started.", file=sys.stderr)
@@ -38,16 +44,38 @@ def train_command(
         else:
             print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job))
         return 0
-    if (out / "final" / "config.json").is_file() and jb.output.resume == "auto":
-        print(f"{out} already holds a finished run (final model in {out / 'final'}); nothing to do.")
-        print(f"Start another with --set output.dir={str(out).rstrip('/')}-2")
-        return 0
-    if holds_run(out):  # a run that did not finish: its logs are kept aside, not overwritten
+    from gpufleet import checkpoint
+    from gpufleet.errors import UserError
+
+    try:
+        ckpt = checkpoint.resolve_resume(out, jb.output.resume)
+    except UserError as e:
+        print(f"gpufleet: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if ckpt is not None:
+        from gpufleet.rl.resume import check
+
+        try:
+            changes = check(ckpt, jb, jb.train.per_device_batch * topo.policy_ranks)
+        except UserError as e:
+            print(f"gpufleet: error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        done = checkpoint.load_state(ckpt).step
+        if done >= jb.train.max_steps:
+            print(f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do.")
+            print(f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
+                  f"{str(out).rstrip('/')}-2")
+            return 0
+        print(f"resuming from {ckpt} (step {done})" + (f"; changed: {'; '.join(changes)}" if changes else ""))
+    elif holds_run(out):  # a run that never reached a checkpoint: its logs are kept aside, not overwritten
         for name in ("metrics.jsonl", "samples.jsonl"):
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
     out.mkdir(parents=True, exist_ok=True)
-    job_file.write_text(render_yaml(r) + "\n", encoding="utf-8")
+    # Atomic: on a shared file system every node writes this file, and workers read it.
+    tmp = job_file.with_name(f".job.yaml.{os.getpid()}")
+    tmp.write_text(render_yaml(r) + "\n", encoding="utf-8")
+    os.replace(tmp, job_file)
     a, t = jb.algorithm, jb.train
     print(f"gpufleet train {job}: {jb.model.path}; {topo.describe()}; {hw.describe()}", flush=True)
     print(

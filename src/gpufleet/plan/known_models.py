@@ -15,6 +15,7 @@ No torch import.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -157,3 +158,21 @@ def known_config(hub_id: str) -> dict[str, Any] | None:
     """A copy of the config.json of a known hub model (case-insensitive id), or None."""
     key = _BY_LOWER.get(hub_id.strip().lower())
     return copy.deepcopy(KNOWN_CONFIGS[key]) if key else None
+
+
+def lookup_config(path: str, env: Mapping[str, str] | None = None) -> tuple[dict[str, Any], str] | None:
+    """(config.json dict, where it came from) for a model path, or None when it is not available offline.
+
+    Order: `builtin:<name>`, a local folder, a hub id in the local Hugging Face cache (all through
+    `gpufleet.modelinfo`), then this module's table of known hub models. Never downloads.
+    """
+    from gpufleet.modelinfo import looks_like_hub_id, read_model_info
+
+    info = read_model_info(path, env)
+    if info is not None:
+        return info.raw, info.source
+    if looks_like_hub_id(path):
+        raw = known_config(path)
+        if raw is not None:
+            return raw, "gpufleet's table of known models (src/gpufleet/plan/known_models.py)"
+    return None

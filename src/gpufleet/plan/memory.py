@@ -23,9 +23,10 @@ Training state per policy rank (`train_state_bytes`)
     trainer creates none): weights 2 + grads 2 + AdamW states 2 x 2 (torch.optim.AdamW keeps its states
     in the parameter's dtype) = 8 bytes per parameter. FSDP divides all three by the shard degree (the
     number of policy ranks). DDP with more than one rank adds its reducer buckets, a second copy of the
-    gradients (`gradient_as_bucket_view=False`, the default). AdamW's `step` counters live on the CPU
-    (not capturable) and are not counted. During `optimizer.step()` the default foreach AdamW on CUDA
-    allocates one parameter-sized temporary (`_foreach_sqrt(exp_avg_sq)`): the "optimizer step" phase.
+    gradients (`gradient_as_bucket_view=False`, the default). AdamW's `step` counters (4 bytes per
+    parameter tensor) are not counted. `rl/optim.py` runs the fused AdamW kernel (in place) on plain
+    parameters; on FSDP2's DTensors it falls back to foreach, whose step allocates one shard-sized
+    temporary (`_foreach_sqrt(exp_avg_sq)`): the "optimizer step" phase.
 
 Activations of one micro-batch (`train_activations`)
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -64,14 +65,17 @@ KV cache of the rollout (`rollout_bytes`)
     2 (k and v) x layers x kv_heads x head_dim x bytes x tokens x sequences, with tokens = prompt +
     completion and sequences = per_device_batch x steps_per_generation (a rank generates its whole
     generation batch at once). `generate` runs outside autocast, so bytes = the weights' dtype. Plus the
-    prefill's working set (one layer over all prompts) and the sampler's float temporaries over the
-    vocabulary.
+    prefill's working set (one layer over all prompts), the sampler's float temporaries over the
+    vocabulary, and the fast decoder's fused q/k/v + gate/up weights (at most 1 GiB; rl/fastdecode.py).
 
-Reference / reward models (`inference_bytes`)
+Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
     Inference weights (reference: the policy's dtype, as the trainer loads it; reward model: its
     checkpoint dtype, which is what `from_pretrained` picks in transformers 5) plus one forward's
     working set: the largest layer's temporaries for a micro-batch, or the logits and one log-softmax
     chunk, whichever is larger.
+
+Not modelled: the `step` counters of AdamW, allocator fragmentation (the planner asks for 10% free
+instead), CUDA graphs, and memory other processes hold on the device.
 
 Framework overhead
     CUDA context, cuBLAS/NCCL workspaces and allocator slack: `DEFAULT_GPU_OVERHEAD` (1 GiB) per process
@@ -257,7 +261,9 @@ def arch_from_config(raw: Mapping[str, Any]) -> Arch:
         o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(d.get("mlp_bias", False)) and model_type == "llama",
         qk_norm=model_type == "qwen3",
-        max_positions=d.get("max_position_embeddings") if isinstance(d.get("max_position_embeddings"), int) else None,
+        max_positions=d.get("max_position_embeddings")
+        if isinstance(d.get("max_position_embeddings"), int)
+        else None,
         checkpoint_dtype=dtype,
         final_logit_softcap=family == "gemma2" and bool(d.get("final_logit_softcapping")),
         eager_attention=family == "gemma2" and bool(d.get("attn_logit_softcapping")),
@@ -416,11 +422,18 @@ def training_precision(model_dtype: str, train_precision: str) -> Precision:
 
 
 def train_state_bytes(
-    params: ParamCount, precision: Precision, *, shards: int = 1, ddp_buckets: bool = False
+    params: ParamCount,
+    precision: Precision,
+    *,
+    shards: int = 1,
+    ddp_buckets: bool = False,
+    fused_adamw: bool = True,
 ) -> dict[str, int]:
     """Weights, gradients and AdamW states of one policy rank (see the module docstring).
 
     `shards`: the FSDP degree (1 for DDP / one process). `ddp_buckets`: DDP's gradient buckets.
+    `fused_adamw`: `rl/optim.py` uses the fused AdamW kernel (in place, no temporary) for plain
+    parameters; FSDP2's DTensors take the foreach path, whose step allocates one shard-sized temporary.
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -431,7 +444,7 @@ def train_state_bytes(
         "grads": local * b,
         "optimizer": 2 * local * b,
         "ddp_buckets": params.total * b if ddp_buckets and shards == 1 else 0,
-        "optimizer_step": local * b,
+        "optimizer_step": 0 if fused_adamw else local * b,
     }
 
 
@@ -569,9 +582,9 @@ def train_activations(
     layer = _layer_bytes_per_token(arch, p, s) * b * s
     tokens = b * s
     if arch.family == "gpt2":
-        shared = tokens * 16 + (tokens * h * a if arch.embd_dropout else 0)
+        shared = tokens * 16 + (tokens * h * r if arch.embd_dropout else 0)  # ids, positions, dropout
         head = tokens * (r * h + 8) + b * c * h * a
-        mask = b * s * s * r  # additive mask kept by checkpointing
+        mask = b * s * s  # the boolean mask kept by checkpointing
     else:
         shared = tokens * 8 + 2 * tokens * arch.head_dim * r  # token ids; rotary cos and sin
         gemma = arch.family in ("gemma", "gemma2")
@@ -644,17 +657,45 @@ def kv_cache_bytes(arch: Arch, *, dtype_bytes: int, tokens: int, sequences: int)
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * tokens * sequences
 
 
+FUSE_LIMIT_BYTES = 1 << 30
+"""Mirror of `gpufleet.rl.fastdecode._FUSE_LIMIT_BYTES`: the fast decoder concatenates q/k/v and
+gate/up weights only when the copies take at most this much."""
+
+FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""model_type values `gpufleet.rl.fastdecode.FastDecoder` runs (plain float32 models only)."""
+
+
+def fast_decode_copies(arch: Arch, p: Precision, *, wrapped: bool) -> int:
+    """Bytes of the fused q/k/v and gate/up weights the fast decoder builds for one `generate` call
+    (0 where it does not run: other families, non-float32 weights, an FSDP-wrapped policy)."""
+    if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights != "float32":
+        return 0
+    h = arch.hidden_size
+    per_layer = h * arch.q_dim + 2 * h * arch.kv_dim + 2 * h * arch.intermediate_size
+    if arch.qkv_bias:
+        per_layer += arch.q_dim + 2 * arch.kv_dim
+    copies = per_layer * arch.num_layers * 4
+    return copies if copies <= FUSE_LIMIT_BYTES else 0
+
+
 def rollout_bytes(
-    arch: Arch, p: Precision, *, sequences: int, prompt_tokens: int, completion_tokens: int
+    arch: Arch,
+    p: Precision,
+    *,
+    sequences: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    weight_copies: int = 0,
 ) -> dict[str, int]:
     """Memory of `generate` on one policy rank: `sequences` rows sampled at once, outside autocast.
 
-    Returns the KV cache at full length, the phase peak (prefill with the prompt's cache, or the full
-    cache + one layer's concatenation copy + the sampler's temporaries), and the parts.
+    The KV cache is counted at full length for the whole phase (the fast decoder preallocates it;
+    the Hugging Face path grows it to the same size, with one layer's concatenation copy on top). Peak:
+    the cache + the fast decoder's fused weights (`weight_copies`) + the larger of the prefill's
+    working set and the sampler's temporaries.
     """
     w = p.weight_bytes
     full = kv_cache_bytes(arch, dtype_bytes=w, tokens=prompt_tokens + completion_tokens, sequences=sequences)
-    prompt = kv_cache_bytes(arch, dtype_bytes=w, tokens=prompt_tokens, sequences=sequences)
     infer = Precision(p.weights, p.weights)
     prefill = (
         _inference_layer_bytes_per_token(arch, infer, prompt_tokens) * sequences * prompt_tokens
@@ -662,8 +703,14 @@ def rollout_bytes(
     )
     sampling = sequences * arch.vocab_size * 32  # fp32 logits/temperature/probs, fp64 cdf, top-p sort
     cat_copy = full // max(arch.num_layers, 1)
-    peak = max(prompt + prefill, full + cat_copy + sampling)
-    return {"kv_cache": full, "prefill": prefill, "sampling": sampling, "peak": peak}
+    peak = full + weight_copies + max(prefill, cat_copy + sampling)
+    return {
+        "kv_cache": full,
+        "prefill": prefill,
+        "sampling": sampling,
+        "decoder_weight_copies": weight_copies,
+        "peak": peak,
+    }
 
 
 # --------------------------------------------------------------------------------------- overhead

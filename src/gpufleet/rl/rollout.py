@@ -15,6 +15,10 @@ stream per *row*:
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
   row is done.
+* Llama / Qwen2 / Qwen3 / Mistral models (plain modules, float32, no sliding window in the way, ...)
+  decode through ``fastdecode.FastDecoder``: the same logits (to a few 1e-7) over the model's current
+  weights, 2-2.6x faster for 8 rows x 32 tokens on CPU. Anything else (DDP/FSDP or other wrappers
+  included) runs the model's own forward; ``GPUFLEET_FAST_DECODE=0`` forces that path.
 
 ``sequence_logprobs`` asks the model for the completion's logits only (``logits_to_keep``), then
 computes per-token log-probs and entropies in chunks along time, recomputing each chunk in backward:
@@ -23,13 +27,19 @@ beyond the logits themselves, float32 temporaries over the vocabulary exist for 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gpufleet.rl.fastdecode import FastDecoder
+
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
+
+FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
+"""Set to 0 to sample through the Hugging Face forward even where ``FastDecoder`` supports the model."""
 
 _CHUNK_ELEMENTS = 1 << 24
 """Default time chunk of ``sequence_logprobs``: about this many (batch x time x vocab) floats at once."""
@@ -86,11 +96,11 @@ def left_pad(
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("every prompt needs at least one token")
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
+    # One tensor from one flat list: a tensor per row costs more than the rest of a short rollout.
+    flat = [v for r in rows for v in ([pad_token_id] * (width - len(r)) + list(r))]
+    ids = torch.tensor(flat, dtype=torch.long).view(len(rows), width)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
     return ids.to(device), mask.to(device)
 
 
@@ -182,6 +192,19 @@ def generate(
         model.train(was_training)
 
 
+def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None:
+    """A ``FastDecoder`` over ``model``'s current weights, or None where the HF forward must run.
+
+    Only a plain model qualifies (a DDP/FSDP wrapper or any other wrapper fails the exact class check of
+    ``FastDecoder.unsupported_reason``); ``GPUFLEET_FAST_DECODE=0`` turns the fast path off.
+    """
+    if os.environ.get(FAST_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if FastDecoder.unsupported_reason(model, max_length) is not None:
+        return None
+    return FastDecoder(model, check=False)
+
+
 def _decode(
     model: torch.nn.Module,
     prompt_ids: list[list[int]],
@@ -208,18 +231,30 @@ def _decode(
     next_pos = prompt_mask.sum(dim=1, keepdim=True)  # position id of the next token of each row
 
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    decoder = _fast_decoder(model, width + max_new_tokens)
+    if decoder is None:
+        config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        # Without left padding the HF mask can be None: the mask would then only hide the tokens after a
+        # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
+        # each other), so every kept logit is the same; HF skips building and checking the mask.
+        unpadded = bool(prompt_mask.all())
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        logits = model(
-            input_ids=step_input,
-            attention_mask=mask[:, : width + t],
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        if decoder is not None:  # the same rule: tokens after EOS go unmasked, their logits unused
+            if t == 0:
+                logits = decoder.prefill(prompt, prompt_mask, positions, max_new_tokens)
+            else:
+                logits = decoder.step(step_input.squeeze(1), positions)
+        else:
+            logits = model(
+                input_ids=step_input,
+                attention_mask=None if unpadded else mask[:, : width + t],
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum, all_true
 from gpufleet.errors import UserError
 from gpufleet.monitor.metrics import JsonlWriter, Progress
-from gpufleet.rl import scorer
+from gpufleet.rl import resume, scorer
 from gpufleet.rl.advantages import combine_rewards, group_advantages
 from gpufleet.rl.batch import (
     GenerationBatch,
@@ -64,7 +65,8 @@ def model_dtype(job: Job) -> str:
     return "float32"  # master weights in fp32; bf16/fp16 compute comes from autocast
 
 
-def build(job: Job, rt: Runtime | None = None) -> Parts:
+def build(job: Job, rt: Runtime | None = None, weights: Path | None = None) -> Parts:
+    """Load everything; `weights`: a checkpoint folder to take the policy weights from (resume)."""
     from transformers.utils import logging as hf_logging
 
     from gpufleet.models import load_causal_lm, load_tokenizer
@@ -73,7 +75,7 @@ def build(job: Job, rt: Runtime | None = None) -> Parts:
     hf_logging.disable_progress_bar()
     torch.manual_seed(job.train.seed)
     tokenizer = load_tokenizer(job.model.path)
-    policy = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device))
+    policy = load_causal_lm(str(weights or job.model.path), dtype=model_dtype(job), device=str(rt.device))
     if job.model.gradient_checkpointing:
         # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
         policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -280,20 +282,33 @@ def no_sync(model, sync: bool):
 
 
 def train(job: Job, out_dir: Path, rt: Runtime | None = None, log=print) -> dict[str, float]:
-    """Run the job; write metrics.jsonl, samples.jsonl and the final model. Returns the last metrics."""
+    """Run the job (resuming when a checkpoint says so); write metrics, samples, checkpoints and the
+    final model. Returns the last step's metrics."""
+    import os
+
     rt = rt or Runtime()
-    p = build(job, rt)
-    opt, sched = build_optimizer(p.train_model.parameters(), job.train)
+    t, a, o = job.train, job.algorithm, job.output
+    ckpt = resume.start_point(job, out_dir, rt)
+    if ckpt is not None:
+        changes = resume.check(ckpt, job, t.per_device_batch * rt.policy_size)
+    p = build(job, rt, weights=ckpt)
+    opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device)
-    t, a = job.train, job.algorithm
     reuse = t.steps_per_generation * a.num_iterations
+    start, scored = 0, None
+    if ckpt is not None:
+        start, scored = resume.restore(p, opt, sched, ckpt, out_dir)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        log(f"resuming from {ckpt} at step {start} (attempt {attempt})"
+            + (f"; changed since then: {'; '.join(changes)}" if changes else ""))
+    job_yaml = (out_dir / "job.yaml").read_text(encoding="utf-8") if (out_dir / "job.yaml").exists() else \
+        yaml.safe_dump(job.model_dump(mode="json"))
     metrics_log = JsonlWriter(out_dir / "metrics.jsonl") if rt.is_main else None
     samples_log = JsonlWriter(out_dir / "samples.jsonl") if rt.is_main else None
-    progress = Progress(t.max_steps)
-    scored: Scored | None = None
+    progress = Progress(t.max_steps, start)
     last: dict[str, float] = {}
     p.train_model.train()
-    for step in range(t.max_steps):
+    for step in range(start, t.max_steps):
         fault_injection(rt, step + 1)
         t0 = time.perf_counter()
         if step % reuse == 0:
@@ -316,21 +331,30 @@ def train(job: Job, out_dir: Path, rt: Runtime | None = None, log=print) -> dict
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 log(progress.line(step + 1, m))
         last = m
+        if step + 1 == t.max_steps or (o.save_every and (step + 1) % o.save_every == 0):
+            resume.save(p, opt, sched, step + 1, scored, out_dir, job_yaml)
     if rt.scorers:
         scorer.stop(rt)
     if rt.is_main:
         metrics_log.close()
         samples_log.close()
-    save_final(p, out_dir / "final")
+    resume.save_final(p, out_dir / "final")
     return last
 
 
 def fault_injection(rt: Runtime, step: int) -> None:
-    """Test-only: GPUFLEET_TEST_CRASH="RANK:STEP" makes that rank raise at the start of that step."""
+    """Test-only: GPUFLEET_TEST_CRASH="RANK:STEP[:ATTEMPT]" makes that rank raise at the start of that
+    step (only in that torchrun attempt when ATTEMPT is given)."""
     import os
 
     spec = os.environ.get("GPUFLEET_TEST_CRASH", "")
-    if spec and spec == f"{rt.rank}:{step}":
+    if not spec:
+        return
+    rank, _, rest = spec.partition(":")
+    at, _, attempt = rest.partition(":")
+    if attempt and attempt != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
+        return
+    if rank == str(rt.rank) and at == str(step):
         raise RuntimeError(f"injected crash on rank {rt.rank} at step {step} (GPUFLEET_TEST_CRASH)")
 
 
@@ -363,29 +387,3 @@ def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> Non
                 "advantage": float(s.batch.advantages[i]),
             }
         )
-
-
-def save_final(p: Parts, folder: Path) -> None:
-    """save_pretrained (safetensors) into a temporary folder, then rename: never a half-written model.
-
-    Under FSDP the full state dict is gathered first (a collective of the policy ranks); rank 0 writes.
-    """
-    import shutil
-
-    from gpufleet.parallel import full_state_dict
-
-    state = full_state_dict(p.train_model, p.rt)
-    if not p.rt.is_main:
-        return
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    p.policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    p.tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(folder)

@@ -26,7 +26,7 @@ class Task:
     ``make_example(index, seed)`` returns a dict with a ``"prompt"`` string and the answer columns
     (e.g. ``"target"``) that the reward functions receive as keyword lists.
     ``reward_functions`` maps a short name to a reward function; the registry exposes it as
-    ``"<task>/<name>"``. ``suggested`` holds hyperparameters measured to work (see the task module).
+    ``"<task>/<name>"``. ``suggested`` holds hyperparameters to start from; the task module says how they were measured.
     """
 
     name: str

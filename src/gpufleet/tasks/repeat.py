@@ -1,9 +1,11 @@
 """Task ``repeat``: the prompt is a letter and a colon, the answer is that letter 8 times, then stop.
 
-    prompt "k:"  ->  completion "kkkkkkkk" (then <eos>)
+    prompt "k:"  ->  completion "kkkkkkkk"
 
-The smallest task that still needs the prompt: a randomly initialised tiny model scores about 0.01
-and learns it by RL alone (no warm start) in a couple of minutes on 2 CPU cores.
+The smallest task that still needs the prompt: a randomly initialised tiny Qwen2 scores about 0.01
+and learns it by RL alone (no warm start) in about 200 GRPO steps, under a minute on 2 CPU cores.
+The reward charges for extra characters, so with a budget longer than 8 the model must also stop;
+the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``).
 """
 
 from __future__ import annotations
@@ -41,5 +43,25 @@ TASK = Task(
     make_example=make_example,
     reward_functions={"chars": chars, "exact": exact},
     default_rewards=["repeat/chars"],
-    suggested={},
+    # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
+    # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
+    # after 150-212 steps (7-11 s) and >= 0.99 by step 400 (~21 s), for seeds 0-7. Also >= 0.8 within
+    # 233 steps with model.generate (top_k 50), untied embeddings, or AdamW defaults (wd 0.01, b2 0.999).
+    # max_completion_length is the answer length on purpose: with a budget of 10 the model must also
+    # discover <eos> at position 8, and the reward sat at 0.8 (8 right of 10) for 1500+ steps.
+    suggested={
+        "num_generations": 8,
+        "per_device_batch": 128,  # completions per optimizer step on one device: 16 prompts x 8
+        "max_completion_length": LENGTH,
+        "learning_rate": 3e-3,
+        "temperature": 1.0,
+        "max_steps": 400,
+        "model": {  # transformers Qwen2Config kwargs, random init, character tokenizer
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+        },
+    },
 )

@@ -1,0 +1,94 @@
+"""CPU time of ``generate`` with the fast decode path (``FastDecoder``) vs the Hugging Face forward.
+
+    .venv/bin/python bench/decode_speed.py [--models tiny-qwen2,small-qwen2] [--repeats 15] [--threads 1]
+
+For each built-in model and shape (rows x new tokens: 8x32 and 128x10 by default), both paths sample
+the same left-padded prompts with the same seeds (temperature 1), alternating run by run so that load
+from other processes hits both alike. Times are process CPU time (``time.process_time``), so the
+machine being shared inflates them less than wall time. No assertions; it prints the median and best
+per path, their ratio, and whether both paths sampled the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from gpufleet.builtin_models import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
+from gpufleet.models import load_causal_lm
+from gpufleet.rl.fastdecode import FastDecoder
+from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
+
+
+def prompts(rows: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(2, 86) for _ in range(rnd.randint(8, 24))] for _ in range(rows)]
+
+
+def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
+    os.environ[FAST_DECODE_ENV] = "1" if fast else "0"
+    start = time.process_time()
+    out = generate(
+        model,
+        rows,
+        seeds=list(range(len(rows))),
+        max_new_tokens=new_tokens,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        temperature=1.0,
+    )
+    return time.process_time() - start, out.completion_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny-qwen2,small-qwen2")
+    ap.add_argument("--shapes", default="8x32,128x10", help="rows x new tokens, comma-separated")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    saved = os.environ.get(FAST_DECODE_ENV)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU time per generate call")
+    print(
+        f"{'model':12s} {'shape':>7s} {'HF median':>10s} {'fast median':>12s} {'HF best':>8s} "
+        f"{'fast best':>9s} {'speed-up':>8s}  same tokens"
+    )
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for name in args.models.split(","):
+                model = load_causal_lm(str(materialize(name, root=root))).eval()
+                if (reason := FastDecoder.unsupported_reason(model, 1024)) is not None:
+                    print(f"{name:12s} no fast path: {reason}")
+                    continue
+                for shape in args.shapes.split(","):
+                    n_rows, new_tokens = (int(v) for v in shape.split("x"))
+                    rows = prompts(n_rows)
+                    times = {True: [], False: []}
+                    tokens = {}
+                    for fast in (True, False):  # warm-up
+                        _, tokens[fast] = run(model, rows, new_tokens, fast)
+                    for _ in range(args.repeats):
+                        for fast in (True, False):
+                            times[fast].append(run(model, rows, new_tokens, fast)[0])
+                    hf, fa = statistics.median(times[False]), statistics.median(times[True])
+                    print(
+                        f"{name:12s} {shape:>7s} {hf * 1e3:8.1f}ms {fa * 1e3:10.1f}ms "
+                        f"{min(times[False]) * 1e3:6.1f}ms {min(times[True]) * 1e3:7.1f}ms "
+                        f"{hf / fa:7.2f}x  {torch.equal(tokens[True], tokens[False])}"
+                    )
+    finally:
+        if saved is None:
+            os.environ.pop(FAST_DECODE_ENV, None)
+        else:
+            os.environ[FAST_DECODE_ENV] = saved
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Checkpoints that survive anything: atomic save, exact resume, export.
+
+Layout of RUN_DIR/checkpoints/step-N/ (a Hugging Face model folder plus the training state):
+
+    model.safetensors, config.json, tokenizer files   the unwrapped policy (gathered from FSDP shards)
+    optimizer.pt        AdamW state keyed by parameter name (full, so any rank count can load it)
+    trainer_state.json  step, LR-scheduler state, world layout, what continuity needs
+    rng-rank<R>.pt      python / numpy / torch (and CUDA) RNG states of every rank
+    batch-rank<R>.pt    the generation batch, when saved in the middle of reusing one
+    job.yaml            the resolved job
+
+Atomic: every rank writes into checkpoints/.tmp-step-N, each file is fsync'd, then rank 0 renames
+the folder to step-N, fsyncs the parent, and only then replaces the `latest` pointer (a small file
+written and renamed the same way). A kill at any moment leaves either the old or the new checkpoint
+complete, never a `latest` naming a partial one. Loading uses safetensors and
+`torch.load(weights_only=True)` only: no pickled code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpufleet.errors import UserError
+
+LATEST = "latest"
+STEP_PREFIX = "step-"
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _slow_hook() -> None:
+    """Test-only: GPUFLEET_TEST_SLOW_SAVE=<seconds> pauses between files, to land kills mid-write."""
+    delay = float(os.environ.get("GPUFLEET_TEST_SLOW_SAVE", "0") or 0)
+    if delay:
+        time.sleep(delay)
+
+
+# ------------------------------------------------------------------------------------------ find
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints (renamed into place), oldest first."""
+    root = run_dir / "checkpoints"
+    steps = []
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.is_dir() and d.name.startswith(STEP_PREFIX) and d.name[len(STEP_PREFIX):].isdigit():
+                if (d / "trainer_state.json").is_file():
+                    steps.append(int(d.name[len(STEP_PREFIX):]))
+    return sorted(steps)
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint: the `latest` pointer, or a scan if the pointer is missing."""
+    root = run_dir / "checkpoints"
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        if (root / name / "trainer_state.json").is_file():
+            return root / name
+    steps = complete_steps(run_dir)
+    return root / f"{STEP_PREFIX}{steps[-1]}" if steps else None
+
+
+# ------------------------------------------------------------------------------------------ save
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint restores besides the weights."""
+
+    step: int
+    scheduler: dict[str, Any]
+    layout: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, step: int, *, policy, model_state, tokenizer, optim_state, scheduler, layout: dict,
+         job_yaml: str, rt, batch: dict | None, keep_last: int) -> Path:
+    """Write checkpoint `step` atomically (every policy rank calls this; rank 0 commits it)."""
+    import torch.distributed as dist
+
+    root = run_dir / "checkpoints"
+    tmp = root / f".tmp-{STEP_PREFIX}{step}"
+    final = root / f"{STEP_PREFIX}{step}"
+    if rt.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(rt)
+    torch.save(rng_state(), tmp / f"rng-rank{rt.rank}.pt")
+    _fsync_file(tmp / f"rng-rank{rt.rank}.pt")
+    if batch is not None:
+        torch.save(batch, tmp / f"batch-rank{rt.rank}.pt")
+        _fsync_file(tmp / f"batch-rank{rt.rank}.pt")
+    if rt.is_main:
+        policy.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _slow_hook()
+        torch.save(optim_state, tmp / "optimizer.pt")
+        _slow_hook()
+        (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
+        state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+    _barrier(rt)
+    if rt.is_main:
+        if final.exists():  # a checkpoint of this step from an earlier attempt: replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name, encoding="utf-8")
+        _fsync_file(pointer_tmp)
+        os.replace(pointer_tmp, root / LATEST)
+        _fsync_dir(root)
+        for old in complete_steps(run_dir)[:-keep_last]:
+            shutil.rmtree(root / f"{STEP_PREFIX}{old}", ignore_errors=True)
+    if rt.distributed and dist.is_initialized():
+        _barrier(rt)
+    return final
+
+
+def _barrier(rt) -> None:
+    import torch.distributed as dist
+
+    if rt.distributed and dist.is_initialized():
+        dist.barrier(group=rt.policy_group)
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def load_optimizer(path: Path) -> dict:
+    return torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+def load_state(path: Path) -> TrainingState:
+    data = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    return TrainingState(data["step"], data["scheduler"], data["layout"])
+
+
+def load_rng(path: Path, rank: int) -> dict | None:
+    f = path / f"rng-rank{rank}.pt"
+    return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
+
+
+def load_batch(path: Path, rank: int) -> dict | None:
+    f = path / f"batch-rank{rank}.pt"
+    return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
+
+
+# Fields whose change breaks continuity of a run (the rest are reported and allowed).
+BREAKING = ("model.path", "data.path", "data.prompt_field", "algorithm.num_generations", "train.seed",
+            "train.steps_per_generation", "algorithm.num_iterations", "reward.functions", "reward.model")
+
+
+def continuity(saved_yaml: str, saved_layout: dict, job, layout: dict) -> tuple[list[str], list[str]]:
+    """(breaking changes, harmless changes) between the checkpoint's job and this one."""
+    import yaml
+
+    old = yaml.safe_load(saved_yaml) or {}
+    new = job.model_dump(mode="json")
+    breaking, harmless = [], []
+    for section, fields in new.items():
+        for name, value in fields.items():
+            before = (old.get(section) or {}).get(name, value)
+            if before != value:
+                text = f"{section}.{name}: {before!r} -> {value!r}"
+                (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)
+    if saved_layout.get("global_batch") != layout.get("global_batch"):
+        breaking.append(f"global batch (per_device_batch x policy ranks): {saved_layout.get('global_batch')} -> "
+                        f"{layout.get('global_batch')}")
+    return breaking, harmless
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to start from: `auto` newest in run_dir, `never` none, or the given path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest(run_dir)
+    p = Path(resume).expanduser()
+    if p.is_dir() and not (p / "trainer_state.json").is_file():
+        inner = latest(p)  # a run directory was given
+        if inner is not None:
+            return inner
+    if not (p / "trainer_state.json").is_file():
+        raise UserError(f"{resume} is not a complete checkpoint (no trainer_state.json).", field="output.resume",
+                        fix="give a checkpoints/step-N folder, or --set output.resume=auto")
+    return p
+
+
+# ---------------------------------------------------------------------------------------- export
+
+
+def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
+    """Copy a checkpoint's (or the final) model folder to `to`: loadable by from_pretrained and vLLM."""
+    if step is None:
+        src = run_dir / "final" if (run_dir / "final" / "config.json").is_file() else latest(run_dir)
+        if src is None:
+            raise UserError(f"{run_dir} holds no final model and no complete checkpoint.", field="RUN_DIR",
+                            fix="point at a run directory written by gpufleet train")
+    else:
+        src = run_dir / "checkpoints" / f"{STEP_PREFIX}{step}"
+        if not (src / "trainer_state.json").is_file():
+            have = ", ".join(map(str, complete_steps(run_dir))) or "none"
+            raise UserError(f"no complete checkpoint for step {step} in {run_dir} (complete: {have}).",
+                            field="--step", fix="pick one of the complete steps")
+    if to.exists() and any(to.iterdir()):
+        raise UserError(f"{to} exists and is not empty.", field="--to", fix="give a new or empty folder")
+    to.mkdir(parents=True, exist_ok=True)
+    skip = {"optimizer.pt", "trainer_state.json"}
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip and not f.name.startswith(("rng-rank", "batch-rank")):
+            shutil.copy2(f, to / f.name)
+    return src

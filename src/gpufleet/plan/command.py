@@ -1,0 +1,244 @@
+"""`gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]`: bytes per device before launch.
+
+    gpufleet plan examples/gspo-3gpu.yaml --gpus 3x16GB        # the note-001 layout, per-GPU totals
+    gpufleet plan job.yaml --gpus 1x24GB --format json         # the same, machine-readable
+
+Prints which device holds which role, the predicted bytes per device by component (weights, grads,
+optimizer, activations, KV cache, scoring, other), the strategy and why, and the largest
+per_device_batch / num_generations / max_completion_length that fit. Exit 0 when the job fits, 2 when
+it does not (or cannot be laid out), with fixes that were each planned again and fit with >= 10% free.
+No torch import: the model's config.json is all it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+
+from gpufleet.config.load import Resolved, load_job
+from gpufleet.config.problems import Problem
+from gpufleet.errors import EXIT_USER_ERROR, UserError
+from gpufleet.hardware import Hardware, resolve_hardware
+from gpufleet.plan.memory import gib
+from gpufleet.plan.placement import (
+    HEADROOM,
+    Fix,
+    Largest,
+    Models,
+    Plan,
+    find_fixes,
+    find_layouts,
+    largest_that_fits,
+    load_models,
+    make_plan,
+)
+
+COLUMNS = ("weights", "grads", "optimizer", "activations", "kv cache", "scoring", "other")
+
+
+def plan_command(job: str, sets: Sequence[str], gpus: str, fmt: str, env: Mapping[str, str]) -> int:
+    """`gpufleet plan`: print the plan; 0 when it fits, 2 when it does not (with verified fixes)."""
+    if fmt not in ("table", "json"):
+        raise UserError(f"--format {fmt!r} is not a plan format.", fix="use --format table or --format json")
+    try:
+        hw = resolve_hardware(gpus, env)
+        r = load_job(job, list(sets), env)
+        models = load_models(r, env)
+        plan, problems = make_plan(r, hw, env, models)
+    except UserError as e:
+        print(f"gpufleet: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    value_errors = [p for p in r.problems if p.severity == "error"]
+    fixes: list[Fix] = []
+    largest: list[Largest] = []
+    if plan is None:
+        fixes = find_layouts(r, hw, env, models)
+    elif not plan.comfortable:
+        fixes = find_fixes(r, hw, env, models)
+    if plan is not None and plan.comfortable:
+        largest = largest_that_fits(r, hw, env, models)
+    code = EXIT_USER_ERROR if plan is None or not plan.fits or value_errors else 0
+    if fmt == "json":
+        print(json.dumps(_as_json(job, hw, plan, problems, r, fixes, largest, code), indent=2))
+    else:
+        print(render_table(job, hw, r, plan, problems + value_errors, fixes, largest, models))
+    return code
+
+
+def _as_json(job, hw, plan, problems, r, fixes, largest, code) -> dict:
+    return {
+        "job": job,
+        "hardware": hw.describe(),
+        "exit_code": code,
+        "plan": plan.to_dict() if plan else None,
+        "problems": [
+            {"severity": p.severity, "field": p.field, "why": p.why, "fix": p.fix}
+            for p in problems + r.problems
+        ],
+        "fixes": [f.to_dict() | {"command": f.command()} for f in fixes],
+        "largest_that_fits": [x.to_dict() for x in largest],
+    }
+
+
+def _row(cells: Sequence[str], widths: Sequence[int], right_from: int) -> str:
+    out = []
+    for i, (c, w) in enumerate(zip(cells, widths, strict=True)):
+        out.append(c.rjust(w) if i >= right_from else c.ljust(w))
+    return "  ".join(out).rstrip()
+
+
+def device_table(plan: Plan) -> str:
+    """The per-device table: roles, bytes by component (GiB), total / capacity, free, peak phase."""
+    head = ["device", "roles", *COLUMNS, "total / capacity GiB", "free", "peak"]
+    rows = []
+    for d in plan.devices:
+        vals = [
+            d.weights,
+            d.grads,
+            d.optimizer,
+            d.phase("train"),
+            d.phase("rollout"),
+            d.phase("scoring"),
+            d.other,
+        ]
+        peaks = ",".join(dict.fromkeys(p.peak_phase for p in d.processes))
+        rows.append(
+            [
+                d.label,
+                " | ".join(d.roles),
+                *[gib(v) if v else "-" for v in vals],
+                f"{gib(d.total)} / {gib(d.capacity)}",
+                f"{d.headroom:.0%}",
+                peaks,
+            ]
+        )
+    widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
+    lines = [_row(head, widths, 2), "  ".join("-" * w for w in widths)]
+    lines += [_row(r, widths, 2) for r in rows]
+    return "\n".join(lines)
+
+
+def render_table(
+    job: str,
+    hw: Hardware,
+    r: Resolved,
+    plan: Plan | None,
+    problems: list[Problem],
+    fixes: list[Fix],
+    largest: list[Largest],
+    models: Models,
+) -> str:
+    from gpufleet.commands import render_problems
+
+    jb = r.job
+    out = [f"gpufleet plan {job}", f"  hardware: {hw.describe()}"]
+    pol = models.policy
+    if pol is not None:
+        out.append(
+            f"  model:    {pol.path}: {pol.arch.model_type}, {pol.params.total / 1e6:,.1f}M parameters "
+            f"(config.json from {pol.source})"
+        )
+    t, ro, a = jb.train, jb.rollout, jb.algorithm
+    out.append(
+        f"  job:      {a.name}, G={a.num_generations}, beta {a.beta}; per_device_batch {t.per_device_batch}, "
+        f"micro-batch {t.micro_batch}, steps_per_generation {t.steps_per_generation}; "
+        f"prompt {ro.max_prompt_length} + completion {ro.max_completion_length} tokens; precision {t.precision}, "
+        f"model.dtype {jb.model.dtype}"
+    )
+    shown = [p for p in problems if p.severity == "error" or plan is None]
+    if plan is None:
+        out.append("")
+        out.append(render_problems(shown) if shown else "the job cannot be laid out on this hardware.")
+        out.append("")
+        if fixes:
+            out.append("layouts that fit this hardware (each planned; re-run plan with one):")
+            out += _fix_lines(fixes)
+        else:
+            out.append("no layout on this hardware fits with the job's other values.")
+        return "\n".join(out)
+    out.append(f"  layout:   {plan.describe_strategy()}")
+    out.append("")
+    out.append(device_table(plan))
+    out.append(
+        "  total = weights + grads + optimizer + other + the largest phase; the phases of a step follow each "
+        "other and free their memory:\n"
+        "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
+        "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
+        "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
+        "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers"
+    )
+    out.append("")
+    out.append("why:")
+    out += [f"  - {w}" for w in plan.why]
+    for note in plan.models.notes:
+        out.append(f"  - note: {note}")
+    if plan.sets:
+        out.append(f"  - the planner's choice, to make it explicit: {' '.join(plan.sets)}")
+    if shown:
+        out.append("")
+        out.append(render_problems(shown))
+    out.append("")
+    tight = plan.tightest
+    where = "cpu" if tight.index is None else f"device {tight.label}"
+    if plan.comfortable:
+        out.append(
+            f"fits: every device keeps >= {HEADROOM:.0%} free (tightest: {where}, {gib(tight.total)} of "
+            f"{gib(tight.capacity)} GiB, {tight.headroom:.0%} free)."
+        )
+    elif plan.fits:
+        out.append(
+            f"fits, but tight: {where} keeps only {tight.headroom:.0%} free (< {HEADROOM:.0%}); "
+            "allocator fragmentation may still run out of memory."
+        )
+    else:
+        over = [d for d in plan.devices if not d.fits]
+        out.append(
+            "does not fit: "
+            + "; ".join(
+                f"{'cpu' if d.index is None else 'device ' + d.label} needs {gib(d.total)} GiB of {gib(d.capacity)}"
+                for d in over
+            )
+            + "."
+        )
+    if fixes:
+        out.append("fixes (each planned again, >= 10% free on every device; re-run plan with one):")
+        out += _fix_lines(fixes)
+    elif not plan.comfortable:
+        out.append("no fix found on GPUs of this kind: use GPUs with more memory or a smaller model.")
+    if largest:
+        out.append("")
+        out.append(f"largest that fits ({HEADROOM:.0%} free on every device, the others held):")
+        w = max(len(x.field) for x in largest)
+        for x in largest:
+            value = "nothing fits" if x.largest is None else str(x.largest)
+            out.append(f"  {x.field.ljust(w)}  {str(x.current).rjust(6)} -> {value.ljust(8)} ({x.note})")
+    return "\n".join(out)
+
+
+def devices_summary(plan: Plan) -> str:
+    """`device 0: 7.95 / 16.00 GiB (50% free); devices 1-10: ...`: equal devices grouped."""
+    groups: list[tuple[list[str], str]] = []
+    for d in plan.devices:
+        text = f"{gib(d.total)} / {gib(d.capacity)} GiB ({d.headroom:.0%} free)"
+        if groups and groups[-1][1] == text:
+            groups[-1][0].append(d.label)
+        else:
+            groups.append(([d.label], text))
+    parts = []
+    for labels, text in groups:
+        if labels == ["cpu"]:
+            parts.append(f"cpu: {text}")
+        elif len(labels) == 1:
+            parts.append(f"device {labels[0]}: {text}")
+        else:
+            parts.append(f"devices {labels[0]}-{labels[-1]}: {text} each")
+    return "; ".join(parts)
+
+
+def _fix_lines(fixes: list[Fix]) -> list[str]:
+    lines = []
+    for i, f in enumerate(fixes, 1):
+        lines.append(f"  {i}. {f.kind}: {f.command()}")
+        lines.append(f"     -> {devices_summary(f.plan)}")
+    return lines

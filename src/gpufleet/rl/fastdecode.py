@@ -1,0 +1,539 @@
+"""Prefill and decode steps for Llama / Qwen2 / Qwen3 / Mistral that compute what the HF forward computes.
+
+Rollouts dominate an RL step, and for small batches on CPU most of an HF decode step is per-call overhead
+(mask building, cache bookkeeping, module dispatch, Python scalars) rather than arithmetic. ``FastDecoder``
+runs the same arithmetic over the model's own weights with less of that overhead:
+
+* the weights are read when the decoder is built, once per ``generate`` call (a policy trained in between
+  is read fresh); q/k/v and gate/up are fused into one matmul each (concatenated copies), and every
+  projection is a direct ``mm``/``addmm`` on 2-D hidden states (B or N rows, no length axis);
+* the KV cache is preallocated, ``(B, kv_heads, prompt + max_new_tokens, head_dim)`` per layer; masks
+  are additive and built once from the prompt padding (none at all when no prompt is padded);
+* RoPE cos/sin come from a table built once from the model's ``inv_freq`` buffer and
+  ``attention_scaling``; q and k are normed (Qwen3) and rotated in one call;
+* a decode step attends with ``F.scaled_dot_product_attention`` on the key/value heads directly, the
+  query heads of a group folded into the query axis (HF's ``pack_gqa``);
+* the prefill skips pad tokens (per-token work runs on the real tokens, packed), and its last layer, the
+  final norm and the LM head run on the last position only.
+
+Matched against transformers 5.23 (``models/{llama,qwen2,qwen3,mistral}/modeling_*.py``, which share
+these pieces): ``*RMSNorm.forward`` (float32 math, ``weight * (x * rsqrt(mean(x**2) + eps))``),
+``*RotaryEmbedding.forward`` (``position_ids.float() * inv_freq``, ``cat(freqs, freqs)``, cos/sin times
+``attention_scaling``), ``rotate_half`` / ``apply_rotary_pos_emb``, ``*Attention.forward`` (q/k/v/o
+biases when configured; Qwen3's ``q_norm``/``k_norm`` over ``head_dim`` before RoPE; ``scaling``),
+``integrations/sdpa_attention.py`` (``repeat_kv``, ``pack_gqa``), ``*MLP.forward``
+(``down(silu(gate(x)) * up(x))``), ``*DecoderLayer.forward`` (pre-norm residual blocks),
+``*Model.forward`` (``layers[:num_hidden_layers]``, final norm) and ``*ForCausalLM.forward``
+(``lm_head`` on the kept positions; tied embeddings share the tensor). Float32 logits agree with the HF
+forward to a few 1e-7: the elementwise ops give the same bits, matmuls of other shapes (fused, packed)
+may round differently.
+
+``FastDecoder.unsupported_reason(model, max_length)`` says why a model must take the HF path instead. It
+is conservative: anything but exactly the plain HF classes (subclasses, FSDP/DDP or PEFT wrappers,
+patched ``forward``, forward hooks, hub kernels), a parameter that is not a local float32 tensor,
+autocast, training mode, a bidirectional config, a RoPE type whose frequencies change with the sequence
+length (any type not in ``_STATIC_ROPE_TYPES``, e.g. ``dynamic``, ``longrope``), partial rotary
+embeddings, a sliding window narrower than the sequence, an activation other than SiLU, or an attention
+implementation other than ``sdpa``/``eager`` (the same attention).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FastDecoder"]
+
+_FAMILY = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+}
+"""model_type -> (HF modeling module, class-name prefix) of the supported architectures."""
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE types whose ``inv_freq`` and ``attention_scaling`` are fixed at init (``modeling_rope_utils``:
+``dynamic_rope_update`` only touches ``dynamic`` and ``longrope``), so the live buffer is exact."""
+
+_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+_FUSE_LIMIT_BYTES = 1 << 30
+"""Weights are fused only if the concatenated copies take at most this much memory (1 GiB); bigger
+models run the projections one by one (for them the fusion saves nothing measurable anyway)."""
+
+
+# --- when the fast path is exact ----------------------------------------------------------------
+
+
+def _classes(model_type: str) -> dict[str, type]:
+    """The HF classes of ``model_type``: causal_lm, model, layer, attention, mlp, norm, rotary."""
+    module_name, prefix = _FAMILY[model_type]
+    module = importlib.import_module(module_name)
+    names = {
+        "causal_lm": "ForCausalLM",
+        "model": "Model",
+        "layer": "DecoderLayer",
+        "attention": "Attention",
+        "mlp": "MLP",
+        "norm": "RMSNorm",
+        "rotary": "RotaryEmbedding",
+    }
+    return {key: getattr(module, prefix + suffix) for key, suffix in names.items()}
+
+
+def _structure_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` is not exactly a plain, float32, eval-mode supported HF model (None if it is)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILY:
+        return f"{type(model).__name__} (model_type {model_type!r}) is not Llama/Qwen2/Qwen3/Mistral"
+    cls = _classes(model_type)
+    if type(model) is not cls["causal_lm"]:
+        return f"{type(model).__name__} is not exactly {cls['causal_lm'].__name__} (wrapped or subclassed)"
+    if model.training:
+        return "the model is in training mode"
+    if getattr(model, "_use_kernels", False):
+        return "hub kernels are enabled"
+    if not getattr(config, "is_causal", True):
+        return "the config is not causal"
+    if config._attn_implementation not in _ATTENTION_IMPLEMENTATIONS:
+        return f"attention implementation {config._attn_implementation!r}"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    from torch.nn.modules import module as nn_module
+    from transformers.activations import SiLUActivation
+
+    inner = model.model
+    n_layers = config.num_hidden_layers
+    if type(inner) is not cls["model"] or len(inner.layers) < n_layers:
+        return "unexpected model structure"
+    layers = list(inner.layers[:n_layers])
+    # Every module the forward runs must be exactly the HF class: this rules out FSDP (fully_shard swaps
+    # the class), LoRA / quantized / parametrized linears and other replacements.
+    expected = [
+        (model, cls["causal_lm"]),
+        (inner, cls["model"]),
+        (inner.embed_tokens, torch.nn.Embedding),
+        (inner.norm, cls["norm"]),
+        (inner.rotary_emb, cls["rotary"]),
+        (model.lm_head, torch.nn.Linear),
+    ]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        expected += [
+            (layer, cls["layer"]),
+            (layer.input_layernorm, cls["norm"]),
+            (layer.post_attention_layernorm, cls["norm"]),
+            (attn, cls["attention"]),
+            (mlp, cls["mlp"]),
+            (mlp.act_fn, SiLUActivation),
+        ]
+        expected += [(getattr(attn, n), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        expected += [(getattr(mlp, n), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")]
+        if model_type == "qwen3":
+            expected += [(attn.q_norm, cls["norm"]), (attn.k_norm, cls["norm"])]
+    for module, want in expected:
+        if type(module) is not want:
+            return f"{type(module).__name__} where {want.__name__} was expected (wrapped or replaced)"
+        if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+            return f"{type(module).__name__} has forward hooks or a patched forward"
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "global forward hooks are registered"
+    if inner.embed_tokens.max_norm is not None:
+        return "the embedding has max_norm"
+
+    params = list(model.parameters())
+    device = params[0].device
+    for p in params:
+        if type(p.data) is not torch.Tensor or p.is_meta:
+            return "parameters are not plain local tensors (sharded or on the meta device)"
+        if p.dtype != torch.float32:
+            return f"a {p.dtype} parameter (the fast path is float32 only)"
+        if p.device != device:
+            return "parameters span several devices"
+    if torch.is_autocast_enabled(device.type):
+        return "autocast is enabled"
+
+    rotary = inner.rotary_emb
+    if rotary.rope_type not in _STATIC_ROPE_TYPES:
+        return f"RoPE type {rotary.rope_type!r}"
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads:
+        return "the query heads are not a multiple of the key/value heads"
+    dim = layers[0].self_attn.head_dim
+    if dim % 2 or rotary.inv_freq.shape != (dim // 2,) or rotary.inv_freq.dtype != torch.float32:
+        return "partial rotary embedding"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (
+            attn.head_dim != dim
+            or attn.scaling != layers[0].self_attn.scaling
+            or attn.num_key_value_groups != heads // kv_heads
+            or attn.q_proj.out_features != heads * dim
+            or attn.k_proj.out_features != kv_heads * dim
+            or attn.v_proj.out_features != kv_heads * dim
+            or attn.o_proj.in_features != heads * dim
+        ):
+            return "unexpected attention shapes"
+        if len({attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}) > 1:
+            return "q/k/v projections with and without bias"
+        if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None):
+            return "gate/up projections with and without bias"
+        if model_type == "qwen3" and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return "q_norm and k_norm have different eps"
+    return None
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The narrowest sliding window of the layers the forward runs, or None (full attention everywhere).
+
+    Qwen2/Qwen3 set ``self_attn.sliding_window`` on their ``sliding_attention`` layers; Mistral applies
+    ``config.sliding_window`` to every layer. HF's mask keeps key ``j`` for query ``i`` when
+    ``i - j < window`` (``masking_utils.sliding_window_overlay``), so a sequence of at most ``window``
+    tokens is attended exactly as under full causal attention.
+    """
+    config = model.config
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    windows = [
+        layer.self_attn.sliding_window
+        for layer in model.model.layers[: config.num_hidden_layers]
+        if getattr(layer.self_attn, "sliding_window", None) is not None
+    ]
+    return min(windows) if windows else None
+
+
+# --- the computation, op by op as in the HF modules ---------------------------------------------
+
+
+class _Norm:
+    """HF ``*RMSNorm.forward`` in float32: ``weight * (x * rsqrt(mean(x**2) + eps))`` over the last dim.
+
+    The mean is written as ``sum().div_(n)``, which is how ATen computes a float32 mean on CPU (same
+    bits), and ``n`` and ``eps`` are 0-dim float32 tensors: a Python scalar costs a wrapped tensor and a
+    copy on every call, and an op on the float32 value gives the same bits. ``F.rms_norm`` gives the
+    same bits too, but dispatches several times more kernels on CPU.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, per_head: torch.Tensor | None = None):
+        """``per_head`` (heads, dim): Qwen3's q_norm and k_norm applied at once, one weight row per head."""
+        self.weight = weight if per_head is None else per_head
+        self.size = torch.tensor(float(weight.shape[-1]), dtype=torch.float32, device=weight.device)
+        self.eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Norm:
+        """The norm of an HF ``*RMSNorm`` module (its live weight)."""
+        return cls(module.weight, module.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
+        return self.weight * (x * scale)
+
+
+class _Linear:
+    """``F.linear`` of 2-D inputs (N, in) through one or several ``nn.Linear`` (outputs concatenated).
+
+    Several are fused into one matmul (weights and biases concatenated into copies) unless ``fuse`` is
+    False. For 2-D inputs ``F.linear`` is ``addmm(bias, x, W.t())`` or ``mm(x, W.t())``: calling those
+    on a kept transposed view runs the same kernel (same bits) without two dispatch layers.
+    """
+
+    def __init__(self, *modules: torch.nn.Linear, fuse: bool = True):
+        if fuse and len(modules) > 1:
+            weight = torch.cat([m.weight for m in modules], dim=0)
+            bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
+            self.parts = [(weight.t(), bias)]
+        else:
+            self.parts = [(m.weight.t(), m.bias) for m in modules]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_rotary_pos_emb`` for one tensor, ``x * cos + rotate_half(x) * sin``, bit for bit.
+
+    ``sin = cat(s, s)`` (``*RotaryEmbedding.forward``), so ``rotate_half(x) * sin = cat(-x2 * s, x1 * s)``
+    ``= roll(x, D/2) * cat(-s, s)``: ``signed_sin`` is ``cat(-s, s)``; negation is exact.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights (views of the model's parameters, or fused copies of them)."""
+
+    input_norm: _Norm
+    qkv: _Linear
+    qk_norm: _Norm | None
+    """Qwen3: q_norm on the query heads and k_norm on the key heads, at once."""
+    o_proj: _Linear
+    post_norm: _Norm
+    gate_up: _Linear
+    down: _Linear
+
+
+class FastDecoder:
+    """Prefill + one-token decode steps of a supported HF causal LM, with a preallocated KV cache.
+
+    Build one per rollout (it reads the weights as they are then)::
+
+        decoder = FastDecoder(model)
+        logits = decoder.prefill(ids, mask, positions, max_new_tokens)   # (B, V) float32
+        for ...:
+            logits = decoder.step(tokens, positions)                     # (B, V) float32
+
+    ``prefill`` takes the left-padded prompts (B, P), their attention mask and position ids (HF's
+    ``cumsum(mask) - 1``, clamped at 0); pad positions are never attended by real tokens. Every token
+    given to ``step`` (B,) is attended by the later steps of its row: a caller that stops a row (after
+    EOS) and discards its logits needs no mask for it, as rows never attend to each other. Positions
+    must stay below ``P + max_new_tokens`` (true for the cumsum positions). Call it under
+    ``torch.inference_mode()`` or ``torch.no_grad()``.
+    """
+
+    @staticmethod
+    def unsupported_reason(model: torch.nn.Module, max_length: int | None = None) -> str | None:
+        """Why ``model`` cannot take the fast path for sequences up to ``max_length`` tokens, or None.
+
+        ``max_length`` (prompt width + new tokens) matters only for a sliding-window config: the window
+        restricts nothing (the fast path is exact) when the whole sequence fits in it; unknown (None), it
+        counts as too long.
+        """
+        reason = _structure_reason(model)
+        if reason is not None:
+            return reason
+        window = _sliding_window(model)
+        if window is not None and (max_length is None or max_length > window):
+            return f"sliding window {window} is narrower than the sequence ({max_length} tokens)"
+        return None
+
+    @classmethod
+    def supports(cls, model: torch.nn.Module, max_length: int | None = None) -> bool:
+        """Whether ``FastDecoder(model)`` computes what ``model``'s forward computes."""
+        return cls.unsupported_reason(model, max_length) is None
+
+    def __init__(self, model: torch.nn.Module, *, fuse: bool | None = None, check: bool = True):
+        """Read the weights of ``model``: views of its parameters, q/k/v and gate/up fused into copies
+        unless ``fuse`` is False (default: fuse when the copies take at most 1 GiB). ``check=False``
+        skips the support check, for a caller that just made it."""
+        if check and (reason := _structure_reason(model)) is not None:
+            raise ValueError(f"FastDecoder does not support this model: {reason}")
+        config, inner = model.config, model.model
+        layers = inner.layers[: config.num_hidden_layers]
+        attn0 = layers[0].self_attn
+        self.window = _sliding_window(model)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attn0.head_dim
+        self.scaling = attn0.scaling
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq
+        self.attention_scaling = rotary.attention_scaling
+        self.embed = inner.embed_tokens.weight
+        self.norm = _Norm.of(inner.norm)
+        self.lm_head = _Linear(model.lm_head)
+        if fuse is None:
+            names = (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+            )
+            fused = [layer.get_submodule(name) for layer in layers for name in names]
+            fuse = sum(m.weight.numel() * m.weight.element_size() for m in fused) <= _FUSE_LIMIT_BYTES
+        self.layers = [self._read_layer(layer, fuse) for layer in layers]
+        # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
+        # the decode steps (None: no padding), cos / signed-sin tables by position, tokens cached.
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.key_mask: torch.Tensor | None = None
+        self.cos_table = self.sin_table = torch.empty(0)
+        self.length = 0
+
+    @staticmethod
+    def _read_layer(layer: torch.nn.Module, fuse: bool) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = None
+        if hasattr(attn, "q_norm"):
+            heads = attn.q_proj.out_features // attn.head_dim
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            rows = [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
+            qk_norm = _Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
+        return _Layer(
+            input_norm=_Norm.of(layer.input_layernorm),
+            qkv=_Linear(attn.q_proj, attn.k_proj, attn.v_proj, fuse=fuse),
+            qk_norm=qk_norm,
+            o_proj=_Linear(attn.o_proj),
+            post_norm=_Norm.of(layer.post_attention_layernorm),
+            gate_up=_Linear(mlp.gate_proj, mlp.up_proj, fuse=fuse),
+            down=_Linear(mlp.down_proj),
+        )
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see ``_rope``) of ``positions`` (...,) -> (..., head_dim), computed as
+        ``*RotaryEmbedding.forward`` does."""
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def _qkv(
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (..., H, D) and k, v (..., H_kv, D) of normed hidden states h (..., hidden); q, k rotated."""
+        qk_heads = self.heads + self.kv_heads
+        qkv = layer.qkv(h).unflatten(-1, (qk_heads + self.kv_heads, self.head_dim))
+        qk, v = qkv[..., :qk_heads, :], qkv[..., qk_heads:, :]
+        if layer.qk_norm is not None:  # Qwen3: q_norm / k_norm over head_dim, before RoPE
+            qk = layer.qk_norm(qk)
+        qk = _rope(qk, cos, signed_sin)
+        return qk[..., : self.heads, :], qk[..., self.heads :, :], v
+
+    def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(post_attention_layernorm(x)): ``down(silu(gate(h)) * up(h))``."""
+        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, V) float32 logits of the last position's hidden states (B, hidden)."""
+        return self.lm_head(self.norm(x)).float()
+
+    def _attend_last(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """Attention of one query per row, q (B, H, D), to the first ``length`` cached keys -> (B, H*D).
+
+        The query heads of a group share a key/value head: they are folded into the query axis (HF's
+        ``pack_gqa``), (B, H, D) -> (B, H_kv, groups, D), query head h using key/value head h // groups.
+        """
+        batch = q.shape[0]
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
+            k_cache[:, :, :length],
+            v_cache[:, :, :length],
+            attn_mask=None if self.key_mask is None else self.key_mask[..., :length],
+            scale=self.scaling,
+        )
+        return out.reshape(batch, -1)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """Run the left-padded prompts (B, P), allocate the cache for ``max_new_tokens`` more tokens and
+        return the logits (B, V) of the last position.
+
+        Pad tokens are skipped: the per-token work (norms, projections, RoPE, MLP) runs on the real
+        tokens only, packed into (N, hidden); they are scattered to the padded (B, P) layout for the
+        attention and the cache. The last layer needs its outputs at the last position only (its keys
+        and values come from its input), so there it runs like a decode step, one query per row.
+        """
+        batch, width = input_ids.shape
+        device, dtype = self.embed.device, self.embed.dtype
+        capacity = width + max_new_tokens
+        if self.window is not None and capacity > self.window:
+            raise ValueError(f"{capacity} tokens do not fit in the sliding window ({self.window})")
+        valid = attention_mask.bool()
+        lengths = valid.sum(dim=1)
+        if not bool(valid[:, -1].all()):
+            raise ValueError("prompts must be left-padded, every row with at least one token")
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.cos_table, self.sin_table = self._cos_sin(torch.arange(capacity, device=device))
+        padded = not bool(valid.all())
+        if padded:
+            rows, cols = valid.nonzero(as_tuple=True)  # the real tokens, row by row
+
+            def to_padded(t: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (B, P, ...), zeros at pads
+                out = t.new_zeros((batch, width, *t.shape[1:]))
+                out[rows, cols] = t
+                return out
+
+            def to_packed(t: torch.Tensor) -> torch.Tensor:  # (B, P, ...) -> (N, ...)
+                return t[rows, cols]
+
+            # Additive masks (SDPA turns a boolean mask into one on every call). Decode steps: every
+            # row attends to its real prompt tokens and to all generated ones.
+            self.key_mask = torch.zeros((batch, 1, 1, capacity), dtype=dtype, device=device)
+            self.key_mask[:, 0, 0, :width].masked_fill_(~valid, float("-inf"))
+            # Prefill: causal and not a pad key. A pad query also sees itself, so that no row of the
+            # softmax is empty (its output is never used: real tokens do not attend to pad keys).
+            causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+            diagonal = torch.eye(width, dtype=torch.bool, device=device)
+            allowed = (causal & valid[:, None, None, :]) | diagonal
+            prefill_mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            prefill_mask.masked_fill_(~allowed, float("-inf"))
+            tokens, positions = to_packed(input_ids), to_packed(position_ids)
+        else:  # packed and padded layouts coincide: plain causal attention (SDPA's is_causal)
+
+            def to_padded(t: torch.Tensor) -> torch.Tensor:
+                return t.view(batch, width, *t.shape[1:])
+
+            def to_packed(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(batch * width, *t.shape[2:])
+
+            self.key_mask = prefill_mask = None
+            tokens, positions = input_ids.reshape(-1), position_ids.reshape(-1)
+        last = lengths.cumsum(dim=0) - 1  # packed index of each row's last token
+        groups = self.heads // self.kv_heads
+        x = F.embedding(tokens, self.embed)  # (N, hidden)
+        cos, signed_sin = self._cos_sin(positions)
+        cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # (N, 1, D): shared by the heads
+        for i, (layer, k_cache, v_cache) in enumerate(
+            zip(self.layers, self.k_cache, self.v_cache, strict=True)
+        ):
+            q, k, v = self._qkv(layer, layer.input_norm(x), cos, signed_sin)
+            k_cache[:, :, :width] = to_padded(k).transpose(1, 2)
+            v_cache[:, :, :width] = to_padded(v).transpose(1, 2)
+            if i == len(self.layers) - 1:
+                x = x[last]
+                x = x + layer.o_proj(self._attend_last(q[last], k_cache, v_cache, width))
+            else:
+                keys, values = k_cache[:, :, :width], v_cache[:, :, :width]
+                if groups > 1:  # HF's repeat_kv
+                    keys = keys.repeat_interleave(groups, dim=1)
+                    values = values.repeat_interleave(groups, dim=1)
+                out = F.scaled_dot_product_attention(
+                    to_padded(q).transpose(1, 2),
+                    keys,
+                    values,
+                    attn_mask=prefill_mask,
+                    is_causal=prefill_mask is None,
+                    scale=self.scaling,
+                )
+                x = x + layer.o_proj(to_packed(out.transpose(1, 2)).flatten(1))
+            x = self._mlp_block(layer, x)
+        self.length = width
+        return self._logits(x)
+
+    def step(self, token: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,) at ``position_ids`` (B,) or (B, 1); return next-token logits (B, V).
+
+        Hidden states stay (B, hidden): one row per sequence, no length axis.
+        """
+        batch, t = token.shape[0], self.length
+        if t >= self.k_cache[0].shape[2]:
+            raise RuntimeError("the KV cache is full: prefill with a larger max_new_tokens")
+        positions = position_ids.reshape(batch)
+        cos, signed_sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        x = F.embedding(token, self.embed)
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
+            q, k, v = self._qkv(layer, layer.input_norm(x), cos, signed_sin)
+            k_cache[:, :, t] = k
+            v_cache[:, :, t] = v
+            x = x + layer.o_proj(self._attend_last(q, k_cache, v_cache, t + 1))
+            x = self._mlp_block(layer, x)
+        self.length = t + 1
+        return self._logits(x)

@@ -1,0 +1,154 @@
+"""The trainer's side of checkpoints: what to save, how to put it back, and the final model.
+
+A resumed run continues the same trajectory: the weights and AdamW state come back bit for bit,
+the LR schedule from its saved state, the data order from the step (the prompt stream is a function
+of the position, rl/data.py), sampling from per-completion seeds (rl/batch.py), and the RNG states
+of every rank as saved. A checkpoint taken in the middle of reusing a generation batch
+(steps_per_generation or num_iterations > 1) also holds that batch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from gpufleet import checkpoint
+from gpufleet.dist import Runtime
+from gpufleet.errors import UserError
+from gpufleet.rl.batch import GenerationBatch, Scored
+from gpufleet.rl.rollout import Rollout
+
+
+def layout(p) -> dict:
+    rt, t = p.rt, p.job.train
+    return {"world_size": rt.world_size, "policy_ranks": rt.policy_size, "strategy": p.job.placement.strategy,
+            "per_device_batch": t.per_device_batch, "global_batch": t.per_device_batch * rt.policy_size}
+
+
+def _is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def optimizer_state(p, opt) -> dict | None:
+    """Full AdamW state keyed by parameter name (a collective under FSDP; rank 0 gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = _is_fsdp(p.train_model)
+    state = get_optimizer_state_dict(p.train_model, opt,
+                                     options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return state if p.rt.is_main else None
+
+
+def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yaml: str) -> Path:
+    from gpufleet.parallel import full_state_dict
+
+    model_state = full_state_dict(p.train_model, p.rt)
+    optim = optimizer_state(p, opt)
+    reuse = p.job.train.steps_per_generation * p.job.algorithm.num_iterations
+    batch = scored_to_dict(scored) if scored is not None and step % reuse != 0 else None
+    return checkpoint.save(out_dir, step, policy=p.policy, model_state=model_state, tokenizer=p.tokenizer,
+                           optim_state=optim, scheduler=sched.state_dict(), layout=layout(p), job_yaml=job_yaml,
+                           rt=p.rt, batch=batch, keep_last=p.job.output.keep_last)
+
+
+def check(ckpt: Path, job, global_batch: int) -> list[str]:
+    """Refuse a checkpoint that this job cannot continue; return the harmless changes to report."""
+    state = checkpoint.load_state(ckpt)
+    saved_yaml = (ckpt / "job.yaml").read_text(encoding="utf-8")
+    breaking, harmless = checkpoint.continuity(saved_yaml, state.layout, job, {"global_batch": global_batch})
+    if breaking:
+        raise UserError(
+            f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",
+            field="output.resume",
+            fix="undo the change, or start a new run with --set output.dir=<new dir> (or --set output.resume=never "
+                "with an empty dir)",
+        )
+    return harmless
+
+
+def restore(p, opt, sched, ckpt: Path, out_dir: Path) -> tuple[int, Scored | None]:
+    """Optimizer, scheduler, RNG and (if saved) the batch in use; the weights were loaded by `build`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = checkpoint.load_state(ckpt)
+    full = _is_fsdp(p.train_model)
+    set_optimizer_state_dict(p.train_model, opt, checkpoint.load_optimizer(ckpt),
+                             options=StateDictOptions(full_state_dict=full))
+    sched.load_state_dict(state.scheduler)
+    rng = checkpoint.load_rng(ckpt, p.rt.rank)
+    if rng is not None:
+        checkpoint.set_rng_state(rng)
+    saved = checkpoint.load_batch(ckpt, p.rt.rank)
+    if p.rt.is_main:
+        truncate_jsonl(out_dir / "metrics.jsonl", state.step)
+        truncate_jsonl(out_dir / "samples.jsonl", state.step)
+    return state.step, (scored_from_dict(saved, p.device) if saved is not None else None)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the records of steps after `step` (written after the checkpoint, before the crash)."""
+    import json
+
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:  # a line cut by the crash
+            break
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def scored_to_dict(s: Scored) -> dict:
+    b = {f.name: getattr(s.batch, f.name) for f in fields(s.batch)}
+    r = {f.name: getattr(s.rollout, f.name) for f in fields(s.rollout)}
+    return {"batch": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()},
+            "rollout": {k: v.cpu() for k, v in r.items()}, "prompts": list(s.prompts),
+            "completions": list(s.completions), "rewards": s.rewards, "per_function": s.per_function,
+            "stats": dict(s.stats)}
+
+
+def scored_from_dict(d: dict, device: torch.device) -> Scored:
+    b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["batch"].items()}
+    return Scored(GenerationBatch(**b), Rollout(**{k: v.to(device) for k, v in d["rollout"].items()}),
+                  d["prompts"], d["completions"], d["rewards"], d["per_function"], d["stats"])
+
+
+def save_final(p, folder: Path) -> None:
+    """save_pretrained (safetensors) into a temporary folder, then rename: never a half-written model.
+
+    Under FSDP the full state dict is gathered first (a collective of the policy ranks); rank 0 writes.
+    """
+    from gpufleet.parallel import full_state_dict
+
+    state = full_state_dict(p.train_model, p.rt)
+    if not p.rt.is_main:
+        return
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    p.policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    p.tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(folder)
+
+
+def start_point(job, out_dir: Path, rt: Runtime) -> Path | None:
+    """The checkpoint this attempt starts from. A torchrun restart always takes the newest one."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return checkpoint.resolve_resume(out_dir, "auto" if attempt > 0 else job.output.resume)

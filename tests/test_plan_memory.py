@@ -1,0 +1,260 @@
+"""The memory model's arithmetic: parameter counts equal the real transformers models (meta device),
+known hub models match their published totals, and the byte formulas say what the docstring says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from gpufleet.plan.known_models import KNOWN_CONFIGS, known_config, lookup_config
+from gpufleet.plan.memory import (
+    DEFAULT_GPU_OVERHEAD,
+    LOGPROB_CHUNK_ELEMENTS,
+    GiB,
+    UnsupportedModel,
+    arch_from_config,
+    count_parameters,
+    kv_cache_bytes,
+    overhead_bytes,
+    train_activations,
+    train_state_bytes,
+    training_precision,
+)
+
+# Small configs covering every branch of the parameter formulas.
+ARCHS: dict[str, dict] = {
+    "qwen2-tied-gqa-bias": dict(
+        model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "llama-untied-all-biases": dict(
+        model_type="llama", vocab_size=128, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False, attention_bias=True,
+        mlp_bias=True,
+    ),
+    "qwen3-qknorm-headdim": dict(
+        model_type="qwen3", vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+    ),
+    "mistral-gqa": dict(
+        model_type="mistral", vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2,
+    ),
+    "gemma-mqa": dict(
+        model_type="gemma", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+    ),
+    "gemma2-four-norms": dict(
+        model_type="gemma2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    ),
+    "gpt2-conv1d-positions": dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "gpt2-n-inner": dict(model_type="gpt2", vocab_size=100, n_embd=48, n_layer=1, n_head=3, n_positions=64, n_inner=80),
+}  # fmt: skip
+
+
+def meta_count(raw: dict, head: str = "causal_lm") -> int:
+    cfg = AutoConfig.for_model(**raw)
+    cls = AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def meta_tensors(raw: dict) -> int:
+    cfg = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_parameter_count_equals_transformers(name):
+    raw = ARCHS[name]
+    counted = count_parameters(arch_from_config(AutoConfig.for_model(**raw).to_dict()))
+    assert counted.total == meta_count(raw)
+    assert counted.tensors == meta_tensors(raw)
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied-gqa-bias", "llama-untied-all-biases", "gemma2-four-norms"])
+def test_reward_model_head_counts(name):
+    raw = {**ARCHS[name], "num_labels": 1}
+    counted = count_parameters(arch_from_config(AutoConfig.for_model(**raw).to_dict()), head="classifier")
+    assert counted.total == meta_count(raw, head="classifier")
+
+
+# Published totals (model cards / safetensors metadata) of the known hub models.
+PUBLISHED = {
+    "Qwen/Qwen2.5-0.5B-Instruct": 0.494e9,
+    "Qwen/Qwen2.5-1.5B-Instruct": 1.54e9,
+    "Qwen/Qwen2.5-3B-Instruct": 3.09e9,
+    "Qwen/Qwen2.5-7B-Instruct": 7.62e9,
+    "Qwen/Qwen3-0.6B": 0.596e9,
+    "Qwen/Qwen3-1.7B": 1.72e9,
+    "meta-llama/Llama-3.2-1B-Instruct": 1.24e9,
+    "meta-llama/Llama-3.1-8B-Instruct": 8.03e9,
+    "mistralai/Mistral-7B-v0.1": 7.24e9,
+    "mistralai/Mistral-7B-Instruct-v0.3": 7.25e9,
+    "google/gemma-2-2b-it": 2.61e9,
+}
+
+
+@pytest.mark.parametrize("hub_id", sorted(KNOWN_CONFIGS))
+def test_known_models_equal_transformers(hub_id):
+    raw = KNOWN_CONFIGS[hub_id]
+    assert count_parameters(arch_from_config(raw)).total == meta_count(raw)
+
+
+@pytest.mark.parametrize("hub_id", sorted(PUBLISHED))
+def test_known_models_match_published_totals(hub_id):
+    total = count_parameters(arch_from_config(known_config(hub_id))).total
+    assert abs(total / PUBLISHED[hub_id] - 1) < 0.005, total
+
+
+def test_exact_totals_pinned():
+    exact = {
+        "Qwen/Qwen2.5-0.5B-Instruct": 494_032_768,
+        "Qwen/Qwen2.5-1.5B-Instruct": 1_543_714_304,
+        "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
+        "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
+        "mistralai/Mistral-7B-v0.1": 7_241_732_096,
+        "google/gemma-2-2b-it": 2_614_341_888,
+    }
+    for hub_id, n in exact.items():
+        assert count_parameters(arch_from_config(known_config(hub_id))).total == n
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model_type=st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2"]),
+    heads=st.sampled_from([1, 2, 4, 8]),
+    kv_div=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([8, 16]),
+    hidden=st.sampled_from([32, 48, 64]),
+    inter=st.integers(8, 200),
+    layers=st.integers(1, 3),
+    vocab=st.integers(10, 300),
+    tie=st.booleans(),
+)
+def test_parameter_count_property(model_type, heads, kv_div, head_dim, hidden, inter, layers, vocab, tie):
+    """Any config of the supported families, including head_dim != hidden / heads."""
+    kv = max(heads // kv_div, 1)
+    raw = dict(
+        model_type=model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    assert count_parameters(arch_from_config(AutoConfig.for_model(**raw).to_dict())).total == meta_count(raw)
+
+
+def test_config_defaults_follow_transformers():
+    """Keys a config.json leaves out take the config class's defaults (Qwen3 head_dim 128, Gemma ties)."""
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+        raw = dict(
+            model_type=model_type, vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1,
+        )  # fmt: skip
+        assert count_parameters(arch_from_config(raw)).total == meta_count(raw), model_type
+
+
+def test_unsupported_model_names_the_field():
+    with pytest.raises(UnsupportedModel, match="model_type 'mamba'"):
+        arch_from_config({"model_type": "mamba"})
+    with pytest.raises(UnsupportedModel, match="intermediate_size"):
+        arch_from_config(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "vocab_size": 9,
+                "num_hidden_layers": 1,
+            }
+        )
+
+
+def test_vision_language_configs_read_text_config():
+    raw = {"model_type": "llava", "text_config": dict(ARCHS["qwen2-tied-gqa-bias"])}
+    assert arch_from_config(raw).hidden_size == 64
+
+
+def test_lookup_prefers_builtin_then_table(tmp_path):
+    raw, source = lookup_config("builtin:tiny-qwen2", {})
+    assert raw["hidden_size"] == 64 and source == "builtin:tiny-qwen2"
+    raw, source = lookup_config("qwen/qwen2.5-7b-instruct", {"HF_HUB_CACHE": str(tmp_path)})
+    assert raw["hidden_size"] == 3584 and "known models" in source
+    assert lookup_config("nobody/nothing", {"HF_HUB_CACHE": str(tmp_path)}) is None
+
+
+# ------------------------------------------------------------------------------------- bytes
+
+
+def test_state_bytes_per_parameter():
+    params = count_parameters(arch_from_config(known_config("Qwen/Qwen2.5-7B-Instruct")))
+    p32 = training_precision("auto", "bf16")  # fp32 master weights + bf16 autocast
+    assert (p32.weights, p32.compute, p32.autocast) == ("float32", "bfloat16", True)
+    s = train_state_bytes(params, p32)
+    assert s["weights"] + s["grads"] + s["optimizer"] == 16 * params.total
+    p16 = training_precision("bfloat16", "bf16")  # bf16 weights, no master copy
+    assert not p16.autocast
+    s16 = train_state_bytes(params, p16)
+    assert s16["weights"] + s16["grads"] + s16["optimizer"] == 8 * params.total
+    sharded = train_state_bytes(params, p32, shards=4)
+    assert sharded["optimizer"] == 2 * 4 * -(-params.total // 4)
+    assert train_state_bytes(params, p32, ddp_buckets=True)["ddp_buckets"] == 4 * params.total
+    assert training_precision("bfloat16", "fp32").compute == "bfloat16"
+
+
+def test_kv_cache_formula():
+    arch = arch_from_config(known_config("meta-llama/Llama-3.1-8B-Instruct"))
+    # 2 x 32 layers x 8 kv heads x 128 x 2 bytes = 128 KiB per token
+    assert kv_cache_bytes(arch, dtype_bytes=2, tokens=1, sequences=1) == 128 * 1024
+    assert kv_cache_bytes(arch, dtype_bytes=2, tokens=1024, sequences=8) == GiB  # 8192 tokens
+
+
+def test_checkpointing_keeps_one_hidden_state_per_layer():
+    arch = arch_from_config(known_config("Qwen/Qwen2.5-1.5B-Instruct"))
+    params = count_parameters(arch)
+    p = training_precision("auto", "fp32")
+    kw = dict(batch=4, prompt_tokens=256, completion_tokens=256)
+    off = train_activations(arch, params, p, checkpointing=False, **kw)
+    on = train_activations(arch, params, p, checkpointing=True, **kw)
+    assert on.layers == arch.num_layers * 4 * 512 * arch.hidden_size * 4
+    assert on.saved < off.saved / 5
+    assert on.logits == off.logits == 4 * 257 * arch.vocab_size * 4
+
+
+def test_chunk_size_mirrors_the_trainer():
+    from gpufleet.rl import rollout
+
+    assert LOGPROB_CHUNK_ELEMENTS == rollout._CHUNK_ELEMENTS
+
+
+def test_overhead_setting():
+    assert overhead_bytes({}, gpu=True) == DEFAULT_GPU_OVERHEAD
+    assert overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "1.5GB"}, gpu=True) == int(1.5 * GiB)
+    assert overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "512MB"}, gpu=False) == 512 * 1024**2
+    with pytest.raises(ValueError, match="GPUFLEET_PLAN_OVERHEAD='lots'"):
+        overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "lots"}, gpu=True)
+
+
+def test_plan_modules_import_no_torch():
+    code = (
+        "import sys\n"
+        "import gpufleet.plan.command, gpufleet.plan.placement, gpufleet.plan.memory\n"
+        "from gpufleet.plan.command import plan_command\n"
+        "code = plan_command('examples/gspo-3gpu.yaml', [], '3x16GB', 'json', {})\n"
+        "assert code == 0, code\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+        "assert not bad, bad\n"
+    )
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
