@@ -1,7 +1,8 @@
 """gpufleet's trainer vs TRL 1.16 `GRPOTrainer` on identical settings, side by side in one run.
 
-    .venv/bin/python bench/vs_trl.py                       # 40 steps x seeds 42,43,44, 1 torch thread
+    .venv/bin/python bench/vs_trl.py                       # preset speed: 40 steps x seeds 42,43,44, 1 torch thread
     .venv/bin/python bench/vs_trl.py --steps 20 --seeds 0 --lr 3e-3 --threads 2
+    .venv/bin/python bench/vs_trl.py --preset learn        # 200 steps at the quickstart's settings; both learn
 
 TRL is not a dependency of gpufleet. The first run creates `.bench-venv/` at the repository root (once,
 reused afterwards) with `torch==2.13.0 trl==1.16.0 accelerate==1.15.0` and gpufleet's own dependencies
@@ -14,7 +15,7 @@ materialized folder), task `builtin:repeat` (the same prompts in the same order,
 8 completions per step (2 prompts x 4 generations), 32 completion tokens, temperature 1.0, top_p 1,
 top_k 0, beta 0 (no reference model), loss_type grpo, token-level ratio, clip 0.2, group std scaling,
 one optimizer step per generation batch, AdamW with a constant learning rate, max_grad_norm 1.0, the
-same torch thread count. TRL gets its fastest fair settings: no gradient checkpointing, no bf16, no
+same torch thread count (the numbers are those of `--preset speed`; see PRESETS). TRL gets its fastest fair settings: no gradient checkpointing, no bf16, no
 reporting, no checkpoints, no progress bar, data loader workers 0.
 
 Measured: end-to-end step time (time between consecutive step ends, median after a warm-up), CPU
@@ -23,14 +24,24 @@ it counts every thread's core-seconds), completions/s, peak RSS, time to the fir
 run's wall time, start-up time (`python -m gpufleet --version` vs `python -c "import trl"` and
 friends), and both reward curves. Prints a summary block for the README at the end. No assertions on
 time. `--src DIR` benchmarks another gpufleet source tree (e.g. `git archive HEAD src | tar -x -C DIR`).
+
+Presets (`--preset`): `speed` (the default) is the issue's speed measurement: 8 completions per step
+(2 prompts x 4 generations), 32 completion tokens, 40 steps; at that batch neither trainer learns
+`repeat`. `learn` is examples/quickstart.yaml: 128 completions per step (16 prompts x 8 generations),
+8 completion tokens, lr 3e-3, 200 steps (`--steps` changes it); both trainers learn, and the summary
+adds a per-seed comparison of the learning curves: the area under the curve (mean reward over all
+steps), the first step whose 10-step moving average reaches 0.8, and the difference of the AUCs with
+a Welch t statistic and a bootstrap confidence interval (no scipy needed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -58,12 +69,27 @@ REQUIREMENTS = [
 ]
 STAMP = BENCH_VENV / ".vs-trl-requirements"
 
-# Shared settings (the issue's measurement).
-BATCH = 8
+# Shared settings of each preset. `speed`: the issue's measurement; `learn`: examples/quickstart.yaml.
+PRESETS: dict[str, dict] = {
+    "speed": {"batch": 8, "generations": 4, "completion_tokens": 32, "steps": 40, "lr": 3e-3, "every": 5},
+    "learn": {"batch": 128, "generations": 8, "completion_tokens": 8, "steps": 200, "lr": 3e-3, "every": 10},
+}
+BATCH = 8  # completions per optimizer step (prompts x generations); set from the preset in main()
 GENERATIONS = 4
 COMPLETION_TOKENS = 32
 PROMPT_TOKENS = 8
 TEMPERATURE = 1.0
+PRESET = "speed"
+
+# The learning-curve comparison (--preset learn; printed for any preset).
+MA_WINDOW = 10  # moving-average window of the "steps to reach" statistic
+MA_TARGET = 0.8
+
+
+def apply_preset(name: str) -> None:
+    global BATCH, GENERATIONS, COMPLETION_TOKENS, PRESET
+    p = PRESETS[name]
+    PRESET, BATCH, GENERATIONS, COMPLETION_TOKENS = name, p["batch"], p["generations"], p["completion_tokens"]
 
 
 # --------------------------------------------------------------------------- bench venv
@@ -280,6 +306,7 @@ def worker_trl(a: argparse.Namespace) -> None:
         scale_rewards="group",
         epsilon=0.2,
         num_iterations=1,
+        mask_truncated_completions=False,  # gpufleet keeps truncated completions in the loss, so does TRL
         learning_rate=a.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -314,7 +341,8 @@ def worker_trl(a: argparse.Namespace) -> None:
         k: str(getattr(config, k))
         for k in (
             "activation_checkpointing bf16 fp16 use_cpu loss_type scale_rewards importance_sampling_level "
-            "epsilon epsilon_high beta num_generations generation_batch_size steps_per_generation "
+            "epsilon epsilon_high beta num_generations per_device_train_batch_size generation_batch_size "
+            "steps_per_generation learning_rate mask_truncated_completions "
             "max_completion_length temperature top_p top_k min_p lr_scheduler_type optim max_grad_norm "
             "num_iterations report_to logging_steps save_strategy"
         ).split()
@@ -364,6 +392,8 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
         kind,
         "--seed",
         str(seed),
+        "--preset",
+        a.preset,
         "--steps",
         str(a.steps),
         "--lr",
@@ -424,6 +454,67 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def sd(xs: list[float]) -> float:
+    """Sample standard deviation (n - 1); 0 for a single value."""
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def auc(rewards: list[float]) -> float:
+    """Area under the reward curve per step: the mean reward over all steps of one run."""
+    return mean(rewards)
+
+
+def steps_to_reach(rewards: list[float], window: int = MA_WINDOW, target: float = MA_TARGET) -> int | None:
+    """First step (1-based) whose `window`-step moving average (that step and the window - 1 before it)
+    reaches `target`; None if no step does."""
+    for end in range(window, len(rewards) + 1):
+        if mean(rewards[end - window : end]) >= target:
+            return end
+    return None
+
+
+def welch(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Welch's t statistic of mean(x) - mean(y) and its Welch-Satterthwaite degrees of freedom."""
+    vx, vy = sd(x) ** 2 / len(x), sd(y) ** 2 / len(y)
+    diff = mean(x) - mean(y)
+    if vx + vy == 0:
+        return (0.0 if diff == 0 else math.copysign(math.inf, diff)), float("nan")
+    df_den = (vx**2 / (len(x) - 1) if len(x) > 1 else 0) + (vy**2 / (len(y) - 1) if len(y) > 1 else 0)
+    return diff / math.sqrt(vx + vy), ((vx + vy) ** 2 / df_den if df_den else float("nan"))
+
+
+def bootstrap_ci(
+    x: list[float], y: list[float], n: int = 20000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap CI of mean(x) - mean(y): seeds resampled with replacement within each trainer.
+    (With 3 seeds per trainer it is narrow-biased: a resample sees at most 3 distinct values.)"""
+    rng = random.Random(seed)
+    diffs = sorted(mean(rng.choices(x, k=len(x))) - mean(rng.choices(y, k=len(y))) for _ in range(n))
+    lo = diffs[int((1 - level) / 2 * n)]
+    hi = diffs[min(n - 1, int((1 + level) / 2 * n))]
+    return lo, hi
+
+
+def learning_stats(results: dict[str, list[dict]]) -> dict:
+    """Per-seed AUC and steps-to-0.8 of each trainer, and the AUC difference gpufleet - TRL."""
+    out: dict = {}
+    for kind in ("gpufleet", "trl"):
+        runs = results[kind]
+        out[kind] = {
+            "seeds": [r["seed"] for r in runs],
+            "auc": [auc(r["reward"]) for r in runs],
+            "reach": [steps_to_reach(r["reward"]) for r in runs],
+        }
+    g, t = out["gpufleet"]["auc"], out["trl"]["auc"]
+    out["diff"] = mean(g) - mean(t)
+    out["t"], out["df"] = welch(g, t)
+    out["ci"] = bootstrap_ci(g, t)
+    out["t_small"] = abs(out["t"]) < 2
+    out["ci_has_0"] = out["ci"][0] <= 0 <= out["ci"][1]
+    out["equal"] = out["t_small"] and out["ci_has_0"]
+    return out
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -444,6 +535,10 @@ def orchestrate(a: argparse.Namespace) -> None:
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="gpufleet-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] {versions()}; {cpu_model()}, {os.cpu_count()} cores; torch threads {a.threads} (both)")
+    print(
+        f"[vs_trl] preset {PRESET}: {BATCH} completions/step ({BATCH // GENERATIONS} prompts x {GENERATIONS} generations), "
+        f"{COMPLETION_TOKENS} completion tokens, lr {a.lr:g}, {a.steps} steps, seeds {','.join(map(str, a.seeds))}"
+    )
     print(
         f"[vs_trl] gpufleet from {SRC}; work dir {work}; load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
@@ -472,7 +567,8 @@ def orchestrate(a: argparse.Namespace) -> None:
             w = r["step_time"][a.warmup :]
             print(
                 f"  {kind:8s} seed {seed}: median step {med(w) * 1000:6.0f} ms (cpu {med(r['cpu_step_time'][a.warmup :]) * 1000:5.0f} ms)"
-                f"  last-10 reward {mean(r['reward'][-10:]):.3f}  peak RSS {r['peak_rss_mib']:.0f} MiB"
+                f"  AUC {auc(r['reward']):.3f}  last-10 reward {mean(r['reward'][-10:]):.3f}"
+                f"  reach {MA_TARGET:g} @ {steps_to_reach(r['reward']) or '-'}  peak RSS {r['peak_rss_mib']:.0f} MiB"
                 f"  run {r['process_s']:.1f} s  (load {r['load_before']:.2f} -> {r['load_after']:.2f})",
                 flush=True,
             )
@@ -492,11 +588,15 @@ def report(a, results, startup, loads, work: Path) -> None:
         f"\nreward (mean over seeds {','.join(map(str, a.seeds))}); 'mean{k}' = mean of the {k} steps ending there"
     )
     print(f"  {'step':>5}  {'gpufleet':>9} {'mean' + str(k):>7}   {'TRL':>9} {'mean' + str(k):>7}")
+    curve_rows = []
     for s in range(k, len(g_curve) + 1, k):
         print(
             f"  {s:>5}  {g_curve[s - 1]:>9.3f} {mean(g_curve[s - k : s]):>7.3f}"
             f"   {t_curve[s - 1]:>9.3f} {mean(t_curve[s - k : s]):>7.3f}"
         )
+        curve_rows.append(f"| {s} | {mean(g_curve[s - k : s]):.3f} | {mean(t_curve[s - k : s]):.3f} |")
+    (work / "curves.json").write_text(json.dumps({"gpufleet": g_curve, "trl": t_curve}))
+    ls = learning_stats(results)
 
     def pooled(kind: str, key: str) -> list[float]:
         return [x for r in results[kind] for x in r[key][W:]]
@@ -534,7 +634,7 @@ def report(a, results, startup, loads, work: Path) -> None:
         "### gpufleet vs TRL GRPOTrainer (`bench/vs_trl.py`)",
         "",
         f"{cpu_model()}, {os.cpu_count()} cores ({loadtxt}); torch.set_num_threads({a.threads}) in both; {versions()}.",
-        f"Both: builtin:tiny-qwen2 fp32, builtin:repeat, {BATCH} completions/step ({BATCH // GENERATIONS} prompts x "
+        f"Preset `{PRESET}`. Both: builtin:tiny-qwen2 fp32, builtin:repeat, {BATCH} completions/step ({BATCH // GENERATIONS} prompts x "
         f"{GENERATIONS} generations), {COMPLETION_TOKENS} completion tokens, temperature {TEMPERATURE}, beta 0, loss_type grpo, "
         f"lr {a.lr:g} constant, {a.steps} steps, seeds {','.join(map(str, a.seeds))}; median over steps after {W} warm-up steps, all seeds pooled.",
         "",
@@ -552,6 +652,7 @@ def report(a, results, startup, loads, work: Path) -> None:
         f"| reward, mean of first 10 steps | {g_first:.3f} | {t_first:.3f} | |",
         f"| reward, mean of last 10 steps | {g_last:.3f} | {t_last:.3f} | |",
         "",
+        *learning_lines(a, ls, curve_rows, k),
         f"(`python -c pass`: {su('python -c pass')}. Goal for the step-time ratio: <= 0.5. Raw data: {work / 'results.json'}.)",
         *(
             [
@@ -567,13 +668,76 @@ def report(a, results, startup, loads, work: Path) -> None:
     print("=" * 89)
 
 
+def learning_lines(a, ls: dict, curve_rows: list[str], k: int) -> list[str]:
+    """The learning-curve part of the summary: curves, per-seed AUC and steps to 0.8, the AUC test."""
+
+    def fmt(xs) -> str:
+        return ", ".join("-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x)) for x in xs)
+
+    def reach(kind: str) -> str:
+        got = [x for x in ls[kind]["reach"] if x is not None]
+        if not got:
+            return f"not reached in {a.steps} steps"
+        txt = f"{mean(got):.0f} ± {sd(got):.0f}"
+        return (
+            txt
+            if len(got) == len(ls[kind]["reach"])
+            else f"{txt} ({len(got)} of {len(ls[kind]['reach'])} seeds reached it)"
+        )
+
+    g, t = ls["gpufleet"], ls["trl"]
+    lo, hi = ls["ci"]
+    if ls["equal"]:
+        verdict = "**equal within seed noise** (|t| < 2 and the CI contains 0)"
+    elif not ls["t_small"] and not ls["ci_has_0"]:
+        verdict = "**different beyond seed noise** (|t| >= 2 and the CI excludes 0)"
+    else:  # the two criteria disagree: not shown equal, not shown different
+        verdict = (
+            "**not shown equal within seed noise** ("
+            + ("|t| < 2" if ls["t_small"] else "|t| >= 2")
+            + (", but the CI excludes 0" if not ls["ci_has_0"] else ", but the CI contains 0")
+            + f"; more seeds needed, e.g. --seeds {','.join(str(42 + i) for i in range(10))})"
+        )
+    lines = [
+        f"Reward curves, mean over seeds {','.join(map(str, a.seeds))}; each row is the mean of the {k} steps ending there:",
+        "",
+        "| step | gpufleet | TRL 1.16 |",
+        "|---:|---:|---:|",
+        *curve_rows,
+        "",
+        f"Learning, per seed ({', '.join(map(str, g['seeds']))} for gpufleet; {', '.join(map(str, t['seeds']))} for TRL). "
+        f"AUC = mean reward over all {a.steps} steps; reach = first step whose {MA_WINDOW}-step moving average is >= {MA_TARGET:g}:",
+        "",
+        "| | gpufleet | TRL 1.16 |",
+        "|---|---:|---:|",
+        f"| AUC per seed | {fmt(g['auc'])} | {fmt(t['auc'])} |",
+        f"| AUC, mean ± std over seeds | {mean(g['auc']):.3f} ± {sd(g['auc']):.3f} | {mean(t['auc']):.3f} ± {sd(t['auc']):.3f} |",
+        f"| reach {MA_TARGET:g}, step per seed | {fmt(g['reach'])} | {fmt(t['reach'])} |",
+        f"| reach {MA_TARGET:g}, mean ± std over seeds | {reach('gpufleet')} | {reach('trl')} |",
+        "",
+        f"AUC difference gpufleet - TRL: {ls['diff']:+.3f}; Welch t = {ls['t']:+.2f} (df {ls['df']:.1f}); "
+        f"bootstrap 95% CI of the difference [{lo:+.3f}, {hi:+.3f}] -> {verdict}.",
+        "",
+    ]
+    return lines
+
+
 STARTUP_TRL = "python -c 'import trl'"
 STARTUP_TRL_FULL = "python -c 'from trl import GRPOTrainer'"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    ap.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="speed",
+        help="shared settings: speed (default; 8 completions/step, 32 tokens, 40 steps: the issue's speed "
+        "measurement) or learn (examples/quickstart.yaml: 16 prompts x 8 generations, 8 tokens, 200 steps)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per run (default: the preset's, 40 / 200)"
+    )
     ap.add_argument(
         "--seeds",
         type=lambda s: [int(x) for x in s.split(",") if x],
@@ -581,7 +745,7 @@ def main() -> None:
         help="comma-separated seeds; each trainer runs once per seed (default 42,43,44)",
     )
     ap.add_argument(
-        "--lr", type=float, default=3e-3, help="learning rate of both (default 3e-3, as the quickstart)"
+        "--lr", type=float, default=None, help="learning rate of both (default 3e-3, as the quickstart)"
     )
     ap.add_argument(
         "--threads", type=int, default=1, help="torch.set_num_threads in both trainers (default 1)"
@@ -589,7 +753,12 @@ def main() -> None:
     ap.add_argument(
         "--warmup", type=int, default=5, help="steps left out of the step-time medians (default 5)"
     )
-    ap.add_argument("--every", type=int, default=5, help="print the reward table every k steps (default 5)")
+    ap.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="print the reward table every k steps (default: 5 / 10 by preset)",
+    )
     ap.add_argument("--startup-runs", type=int, default=5, help="runs of each start-up command (0 = skip)")
     ap.add_argument(
         "--out", default=None, help="work dir for runs, logs, results.json (default: a new /tmp dir)"
@@ -603,6 +772,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    apply_preset(a.preset)
+    for key in ("steps", "lr", "every"):
+        if getattr(a, key) is None:
+            setattr(a, key, PRESETS[a.preset][key])
     global SRC
     if a.src:
         SRC = Path(a.src).resolve()

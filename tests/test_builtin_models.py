@@ -60,7 +60,7 @@ def test_configs():
     assert (qwen["num_key_value_heads"], qwen["intermediate_size"], qwen["max_position_embeddings"]) == (
         2,
         128,
-        256,
+        1024,
     )
     llama = BUILTIN_MODELS["tiny-llama"]
     assert llama["model_type"] == "llama" and llama["tie_word_embeddings"] is False

@@ -259,12 +259,12 @@ CASES = [
     ("vllm-not-yet", job("rollout: {engine: vllm}"), {}, [], "cpu", "rollout.engine", "rollout.engine=hf"),
     (
         "too-long",
-        job("rollout: {max_prompt_length: 200, max_completion_length: 100}"),
+        job("rollout: {max_prompt_length: 1000, max_completion_length: 100}"),
         {},
         [],
         "cpu",
         "rollout.max_completion_length",
-        "max_completion_length=56",
+        "max_completion_length=24",
     ),
     (
         "bf16-v100",

@@ -85,3 +85,19 @@ def test_lr_schedules():
     assert lr_factor(6, warmup=2, total=10, kind="linear") == 0.5
     assert lr_factor(6, warmup=2, total=10, kind="cosine") == pytest.approx(0.5)
     assert lr_factor(10, warmup=2, total=10, kind="cosine") == pytest.approx(0.0)
+
+
+def test_non_finite_loss_stops_cleanly_and_keeps_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]))
+    p = subprocess.run([sys.executable, "-m", "gpufleet", "train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}",
+                        "--set", "train.learning_rate=1e30", "--set", "train.max_steps=6", "--set", "output.save_every=1",
+                        "--set", "train.per_device_batch=16", "--set", "reward.functions=repeat/chars,mp_rewards:length"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    assert "non-finite" in p.stderr and "train.learning_rate" in p.stderr
+    from gpufleet import checkpoint
+
+    latest = checkpoint.latest(run)
+    assert latest is not None and (latest / "model.safetensors").is_file()

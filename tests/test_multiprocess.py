@@ -158,3 +158,17 @@ def test_print_launch(tmp_path):
     assert "# node 0:" in p.stdout and "# node 1:" in p.stdout
     assert "--rdzv-backend c10d --rdzv-endpoint node0:29400" in p.stdout and "--nproc-per-node 4" in p.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_note_001_layout_runs_on_cpu(tmp_path):
+    """examples/gspo-3gpu.yaml as written (policy on 0,1, reference on 2), with --gpus cpu mapping each
+    device id to a CPU process; only the model is swapped for a built-in one (no hub here)."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "gpufleet", "train", str(ROOT / "examples" / "gspo-3gpu.yaml"), "--gpus", "cpu",
+            "--set", "model.path=builtin:tiny-qwen2", "--set", "train.max_steps=2", "--set", f"output.dir={run}"]
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 policy rank(s) on cpu process [0, 1]; reference on scorer cpu process 2" in p.stdout
+    assert sorted(x.name for x in (run / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log", "rank2.log"]
+    assert (run / "final" / "model.safetensors").is_file()

@@ -346,3 +346,20 @@ def test_bad_format_and_overhead_setting(capsys):
     out = capsys.readouterr()
     assert code == 2 and "GPUFLEET_PLAN_OVERHEAD" in out.err
     assert plan_command(GSPO, [], "3x16GB", "table", {"GPUFLEET_PLAN_OVERHEAD": "0.5GB"}) == 0
+
+
+def test_train_applies_the_auto_choice(tmp_path):
+    """`gpufleet train` turns the planner's auto choice into the placement it launches (before launch)."""
+    from gpufleet.launch.train import _auto_placement
+
+    job = write_job(
+        tmp_path,
+        model={"path": "Qwen/Qwen2.5-1.5B-Instruct"},
+        algorithm={"beta": 0.04},
+        train={"per_device_batch": 8, "micro_batch": 1},
+        rollout={"max_prompt_length": 256, "max_completion_length": 256},
+    )
+    r = load_job(job, [], {})
+    assert _auto_placement(r, parse_gpu_spec("4x40GB"), {}) == ["--set placement.reference=3"]
+    assert _auto_placement(r, parse_gpu_spec("4x80GB"), {}) == []
+    assert _auto_placement(r, parse_gpu_spec("cpu"), {}) == []

@@ -43,7 +43,7 @@ def _decoder_config(
     num_key_value_heads: int,
     intermediate_size: int,
     tie_word_embeddings: bool,
-    max_position_embeddings: int = 256,
+    max_position_embeddings: int = 1024,
 ) -> dict[str, Any]:
     """The config.json of a small Llama-family decoder over ``CHAR_VOCAB``."""
     config: dict[str, Any] = {
@@ -205,6 +205,9 @@ def _build(folder: Path, config: dict[str, Any], seed: int) -> None:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a 100 kB file
+    # Every process writes its own private copy: transformers would skip the weights on torch.distributed
+    # ranks other than 0, and a rank that wins the rename race would publish a folder without them.
+    model.should_save_on_this_rank = lambda is_main_process: True
     try:
         model.save_pretrained(folder)
     finally:

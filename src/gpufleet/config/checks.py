@@ -20,7 +20,8 @@ from pathlib import Path
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import FieldRef, Problem
 from gpufleet.hardware import Hardware
-from gpufleet.modelinfo import ModelInfo, looks_like_hub_id, read_model_info
+from gpufleet.modelinfo import ModelInfo, looks_like_hub_id
+from gpufleet.launch.torchrun import free_port
 from gpufleet.topology import Topology, resolve_topology
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
@@ -55,8 +56,12 @@ def run_checks(
 ) -> tuple[list[Problem], Context]:
     """All problems of a resolved job on this hardware: value problems first, then every rule."""
     env = os.environ if env is None else env
+    from gpufleet.plan.known_models import lookup_config
+    from gpufleet.modelinfo import from_config
+
     topo, topo_problems = resolve_topology(r, hw)
-    ctx = Context(r, hw, topo, read_model_info(r.job.model.path, env), env)
+    found = lookup_config(r.job.model.path, env)  # local config.json, else the table of known hub models
+    ctx = Context(r, hw, topo, from_config(*found) if found else None, env)
     problems = list(r.problems) + topo_problems
     for fn in RULES:
         problems.extend(fn(ctx))
@@ -308,12 +313,6 @@ def launch_nodes(ctx: Context):
                 f"{la.rdzv_endpoint!r} is not host:port.",
                 "--set launch.rdzv_endpoint=node0:29400",
             )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @rule

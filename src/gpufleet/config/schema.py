@@ -51,8 +51,9 @@ class ModelSection(Section):
     builds locally on first use (no download)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype the weights are loaded in. `auto`: float32 for fp32 training, the checkpoint's dtype
-    otherwise. Master weights stay float32 under bf16/fp16 mixed precision."""
+    """dtype the policy's weights are loaded and trained in. `auto`: float32 (master weights; bf16/fp16
+    compute comes from autocast, see train.precision). `bfloat16`: pure bf16 weights and AdamW state,
+    half the memory, no fp32 master copy."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""

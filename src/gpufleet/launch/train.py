@@ -23,6 +23,11 @@ def train_command(
     hw = resolve_hardware(gpus, env)
     r = load_job(job, sets, env)
     problems, ctx = run_checks(r, hw, env)
+    auto_sets = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else []
+    if auto_sets:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
+        print(f"placement auto -> {' '.join(auto_sets)} (gpufleet plan explains why)")
+        r = load_job(job, [*sets, *(s.removeprefix("--set ") for s in auto_sets)], env)
+        problems, ctx = run_checks(r, hw, env)
     if force:  # --force: a predicted out-of-memory is the user's call; every other rule still holds
         for p in problems:
             if p.extra.get("rule") == "fit" and p.severity == "error":
@@ -93,6 +98,21 @@ def train_command(
         print(f"  metrics: {out / 'metrics.jsonl'}")
         print(f"  samples: {out / 'samples.jsonl'}")
     return code
+
+
+def _auto_placement(r, hw, env) -> list[str]:
+    """The flags that turn `auto` reference/reward placements into the planner's choice ([] = colocate)."""
+    pl = r.job.placement
+    if hw.is_cpu or "auto" not in (pl.reference, pl.reward):
+        return []
+    from gpufleet.errors import UserError
+    from gpufleet.plan.placement import make_plan
+
+    try:
+        plan, _ = make_plan(r, hw, env)
+    except UserError:  # the model cannot be sized offline: keep the default (colocate)
+        return []
+    return list(plan.sets) if plan is not None and plan.sets else []
 
 
 def _in_process(job, out: Path, hw, topo) -> int:
