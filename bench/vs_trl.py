@@ -81,7 +81,7 @@ PROMPT_TOKENS = 8
 TEMPERATURE = 1.0
 PRESET = "speed"
 
-# The learning-curve comparison (--preset learn; printed for any preset).
+# The learning-curve comparison (in the summary of --preset learn).
 MA_WINDOW = 10  # moving-average window of the "steps to reach" statistic
 MA_TARGET = 0.8
 
@@ -507,7 +507,7 @@ def learning_stats(results: dict[str, list[dict]]) -> dict:
         }
     g, t = out["gpufleet"]["auc"], out["trl"]["auc"]
     out["diff"] = mean(g) - mean(t)
-    out["t"], out["df"] = welch(g, t)
+    out["t"], out["df"] = welch(g, t) if min(len(g), len(t)) > 1 else (float("nan"), float("nan"))
     out["ci"] = bootstrap_ci(g, t)
     out["t_small"] = abs(out["t"]) < 2
     out["ci_has_0"] = out["ci"][0] <= 0 <= out["ci"][1]
@@ -652,7 +652,7 @@ def report(a, results, startup, loads, work: Path) -> None:
         f"| reward, mean of first 10 steps | {g_first:.3f} | {t_first:.3f} | |",
         f"| reward, mean of last 10 steps | {g_last:.3f} | {t_last:.3f} | |",
         "",
-        *learning_lines(a, ls, curve_rows, k),
+        *(learning_lines(a, ls, curve_rows, k) if PRESET == "learn" else []),
         f"(`python -c pass`: {su('python -c pass')}. Goal for the step-time ratio: <= 0.5. Raw data: {work / 'results.json'}.)",
         *(
             [
@@ -687,7 +687,9 @@ def learning_lines(a, ls: dict, curve_rows: list[str], k: int) -> list[str]:
 
     g, t = ls["gpufleet"], ls["trl"]
     lo, hi = ls["ci"]
-    if ls["equal"]:
+    if min(len(g["auc"]), len(t["auc"])) < 2:
+        verdict = "no test: it needs at least 2 seeds per trainer"
+    elif ls["equal"]:
         verdict = "**equal within seed noise** (|t| < 2 and the CI contains 0)"
     elif not ls["t_small"] and not ls["ci_has_0"]:
         verdict = "**different beyond seed noise** (|t| >= 2 and the CI excludes 0)"

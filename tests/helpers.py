@@ -9,3 +9,26 @@ def run_cli(capsys, argv, env=None):
     code = main(list(argv), env=env or {})
     out = capsys.readouterr()
     return code, out.out + out.err
+
+
+def run_process(*args: str, cwd, env_extra=None, timeout: int = 300):
+    """`python -m gpufleet ARGS` as a real process; tests/ and src/ on PYTHONPATH (for test rewards)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root / "tests"), str(root / "src"), *(env_extra or {}).get("PYTHONPATH", "").split(os.pathsep)]
+    )
+    env.update({k: v for k, v in (env_extra or {}).items() if k != "PYTHONPATH"})
+    return subprocess.run(
+        [sys.executable, "-m", "gpufleet", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )

@@ -20,8 +20,16 @@ from gpufleet import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "examples" / "quickstart.yaml")
-ARGS = ["--gpus", "cpu", "--set", "train.per_device_batch=32", "--set", "train.log_every=1",
-        "--set", "reward.functions=repeat/chars,mp_rewards:length"]
+ARGS = [
+    "--gpus",
+    "cpu",
+    "--set",
+    "train.per_device_batch=32",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "reward.functions=repeat/chars,mp_rewards:length",
+]
 
 
 def env(**extra) -> dict:
@@ -40,15 +48,22 @@ def argv(run: Path, *sets: str) -> list[str]:
 
 
 def train(run: Path, *sets: str, timeout=300, **extra) -> subprocess.CompletedProcess:
-    p = subprocess.run(argv(run, *sets), capture_output=True, text=True, env=env(**extra), cwd=ROOT,
-                       timeout=timeout)
+    p = subprocess.run(
+        argv(run, *sets), capture_output=True, text=True, env=env(**extra), cwd=ROOT, timeout=timeout
+    )
     return p
 
 
 def start(run: Path, *sets: str, **extra) -> subprocess.Popen:
     log = (run.parent / f"{run.name}.{time.time_ns()}.log").open("w")
-    return subprocess.Popen(argv(run, *sets), stdout=log, stderr=subprocess.STDOUT, env=env(**extra), cwd=ROOT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        argv(run, *sets),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env(**extra),
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def kill9(proc: subprocess.Popen) -> None:
@@ -101,7 +116,12 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path):
 
 
 def test_kill9_two_ranks_then_resume(tmp_path):
-    sets = ("train.max_steps=8", "output.save_every=2", "launch.nproc_per_node=2", "train.per_device_batch=16")
+    sets = (
+        "train.max_steps=8",
+        "output.save_every=2",
+        "launch.nproc_per_node=2",
+        "train.per_device_batch=16",
+    )
     ref = tmp_path / "ref"
     p = train(ref, *sets)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -126,8 +146,10 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
         proc = start(run, *sets, GPUFLEET_TEST_SLOW_SAVE="0.15")
         root = run / "checkpoints"
 
-        def writing() -> bool:  # a temporary checkpoint folder created by this attempt
-            return root.is_dir() and any(d.name.startswith(".tmp-") and d.stat().st_mtime >= t0 for d in root.iterdir())
+        def writing(root=root, t0=t0) -> bool:  # a temporary checkpoint folder created by this attempt
+            return root.is_dir() and any(
+                d.name.startswith(".tmp-") and d.stat().st_mtime >= t0 for d in root.iterdir()
+            )
 
         # Land the kill inside a checkpoint write: wait for a temporary folder, then a random moment in it.
         wait_for(writing, proc=proc)
@@ -141,7 +163,10 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
             assert (root / pointer / "trainer_state.json").is_file()
             resumed_from.append(checkpoint.load_state(latest).step)
         if before is not None:
-            assert latest is not None and checkpoint.load_state(latest).step >= checkpoint.load_state(before).step
+            assert (
+                latest is not None
+                and checkpoint.load_state(latest).step >= checkpoint.load_state(before).step
+            )
     assert resumed_from and resumed_from == sorted(resumed_from)
     p = train(run, "train.max_steps=" + str(resumed_from[-1] + 2), *sets[1:])
     assert p.returncode == 0, p.stdout + p.stderr
@@ -149,7 +174,12 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
 
 
 def test_torchrun_restart_resumes_and_matches(tmp_path):
-    sets = ("train.max_steps=6", "output.save_every=2", "launch.nproc_per_node=2", "train.per_device_batch=16")
+    sets = (
+        "train.max_steps=6",
+        "output.save_every=2",
+        "launch.nproc_per_node=2",
+        "train.per_device_batch=16",
+    )
     ref = tmp_path / "ref"
     assert train(ref, *sets).returncode == 0
     run = tmp_path / "run"
@@ -178,8 +208,14 @@ def test_export_loads_and_generates(tmp_path):
     run = tmp_path / "run"
     assert train(run, "train.max_steps=4", "output.save_every=2").returncode == 0
     out = tmp_path / "exported"
-    p = subprocess.run([sys.executable, "-m", "gpufleet", "export", str(run), "--step", "2", "--to", str(out)],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "gpufleet", "export", str(run), "--step", "2", "--to", str(out)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert not (out / "optimizer.pt").exists()
     from transformers import AutoModelForCausalLM
@@ -193,9 +229,17 @@ def test_export_loads_and_generates(tmp_path):
     assert generated.shape[1] > ids.shape[1]
     saved = load_file(run / "checkpoints" / "step-2" / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in load_file(out / "model.safetensors").items())
-    p = subprocess.run([sys.executable, "-m", "gpufleet", "export", str(run), "--step", "3", "--to", str(tmp_path / "x")],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
-    assert p.returncode == 2 and "no complete checkpoint for step 3" in p.stderr and "complete: 2, 4" in p.stderr
+    p = subprocess.run(
+        [sys.executable, "-m", "gpufleet", "export", str(run), "--step", "3", "--to", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2 and "no complete checkpoint for step 3" in p.stderr and "complete: 2, 4" in p.stderr
+    )
 
 
 class Evil:

@@ -178,4 +178,6 @@ def test_readme_reference_is_current():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- reference:start -->")[1].split("<!-- reference:end -->")[0]
-    assert block.strip() == markdown().strip(), "run: python -m gpufleet.config.reference and paste into README.md"
+    assert block.strip() == markdown().strip(), (
+        "run: python -m gpufleet.config.reference and paste into README.md"
+    )

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 
 from gpufleet.cli import main
 from gpufleet.rl.optim import lr_factor
+from helpers import run_process
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "examples" / "quickstart.yaml")
@@ -25,8 +23,21 @@ def read_metrics(run: Path) -> list[dict]:
 def test_reward_rises_on_builtin_task(tmp_path, capsys):
     torch.set_num_threads(1)
     run = tmp_path / "run"
-    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90",
-                 "--set", "train.log_every=30"], env={})
+    code = main(
+        [
+            "train",
+            QUICK,
+            "--gpus",
+            "cpu",
+            "--set",
+            f"output.dir={run}",
+            "--set",
+            "train.max_steps=90",
+            "--set",
+            "train.log_every=30",
+        ],
+        env={},
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     rewards = [m["reward"] for m in read_metrics(run)]
@@ -36,8 +47,13 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
     assert "model:" in out and str(run / "final") in out
     # A second `train` on a finished run does nothing and loses nothing.
     before = (run / "metrics.jsonl").read_text()
-    assert main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90"],
-                env={}) == 0
+    assert (
+        main(
+            ["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90"],
+            env={},
+        )
+        == 0
+    )
     assert "already holds a finished run" in capsys.readouterr().out
     assert (run / "metrics.jsonl").read_text() == before
 
@@ -45,17 +61,44 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
 @pytest.mark.parametrize("precision, checkpointing", [("bf16", False), ("fp32", True)])
 def test_precision_and_checkpointing_run(tmp_path, capsys, precision, checkpointing):
     run = tmp_path / "run"
-    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=2",
-                 "--set", "train.per_device_batch=16", "--set", f"train.precision={precision}",
-                 "--set", f"model.gradient_checkpointing={str(checkpointing).lower()}"], env={})
+    code = main(
+        [
+            "train",
+            QUICK,
+            "--gpus",
+            "cpu",
+            "--set",
+            f"output.dir={run}",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.per_device_batch=16",
+            "--set",
+            f"train.precision={precision}",
+            "--set",
+            f"model.gradient_checkpointing={str(checkpointing).lower()}",
+        ],
+        env={},
+    )
     assert code == 0, capsys.readouterr()
     assert all(m["grad_norm"] >= 0 for m in read_metrics(run))
 
 
 def test_bad_job_starts_nothing(tmp_path, capsys):
     run = tmp_path / "run"
-    code = main(["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "algorithm.num_generations=5"],
-                env={})
+    code = main(
+        [
+            "train",
+            QUICK,
+            "--gpus",
+            "cpu",
+            "--set",
+            f"output.dir={run}",
+            "--set",
+            "algorithm.num_generations=5",
+        ],
+        env={},
+    )
     err = capsys.readouterr().err
     assert code == 2 and "algorithm.num_generations" in err and "Nothing was started" in err
     assert not run.exists()
@@ -68,10 +111,20 @@ def test_reward_error_is_one_line_and_keeps_old_outputs(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "notes.txt").write_text("keep me")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    p = subprocess.run([sys.executable, "-m", "gpufleet", "train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}",
-                        "--set", "reward.functions=badreward:score", "--set", "train.max_steps=2"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    p = run_process(
+        "train",
+        QUICK,
+        "--gpus",
+        "cpu",
+        "--set",
+        f"output.dir={run}",
+        "--set",
+        "reward.functions=badreward:score",
+        "--set",
+        "train.max_steps=2",
+        cwd=tmp_path,
+        env_extra={"PYTHONPATH": str(tmp_path)},
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
     line = [x for x in p.stderr.splitlines() if x.startswith("gpufleet: error")]
@@ -89,11 +142,25 @@ def test_lr_schedules():
 
 def test_non_finite_loss_stops_cleanly_and_keeps_checkpoints(tmp_path):
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]))
-    p = subprocess.run([sys.executable, "-m", "gpufleet", "train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}",
-                        "--set", "train.learning_rate=1e30", "--set", "train.max_steps=6", "--set", "output.save_every=1",
-                        "--set", "train.per_device_batch=16", "--set", "reward.functions=repeat/chars,mp_rewards:length"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    p = run_process(
+        "train",
+        QUICK,
+        "--gpus",
+        "cpu",
+        "--set",
+        f"output.dir={run}",
+        "--set",
+        "train.learning_rate=1e30",
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "output.save_every=1",
+        "--set",
+        "train.per_device_batch=16",
+        "--set",
+        "reward.functions=repeat/chars,mp_rewards:length",
+        cwd=tmp_path,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
     assert "non-finite" in p.stderr and "train.learning_rate" in p.stderr

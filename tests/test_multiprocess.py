@@ -165,8 +165,21 @@ def test_note_001_layout_runs_on_cpu(tmp_path):
     device id to a CPU process; only the model is swapped for a built-in one (no hub here)."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "gpufleet", "train", str(ROOT / "examples" / "gspo-3gpu.yaml"), "--gpus", "cpu",
-            "--set", "model.path=builtin:tiny-qwen2", "--set", "train.max_steps=2", "--set", f"output.dir={run}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpufleet",
+        "train",
+        str(ROOT / "examples" / "gspo-3gpu.yaml"),
+        "--gpus",
+        "cpu",
+        "--set",
+        "model.path=builtin:tiny-qwen2",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        f"output.dir={run}",
+    ]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "2 policy rank(s) on cpu process [0, 1]; reference on scorer cpu process 2" in p.stdout

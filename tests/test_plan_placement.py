@@ -14,13 +14,15 @@ from gpufleet.config.checks import run_checks
 from gpufleet.config.load import load_job
 from gpufleet.hardware import GiB, parse_gpu_spec
 from gpufleet.plan.command import plan_command
+from gpufleet.plan.fixes import (
+    find_fixes,
+    fit_problems,
+    largest_that_fits,
+)
 from gpufleet.plan.placement import (
     HEADROOM,
     Plan,
     PlanError,
-    find_fixes,
-    fit_problems,
-    largest_that_fits,
     load_models,
     make_plan,
     variant,

@@ -64,9 +64,9 @@ def complete_steps(run_dir: Path) -> list[int]:
     steps = []
     if root.is_dir():
         for d in root.iterdir():
-            if d.is_dir() and d.name.startswith(STEP_PREFIX) and d.name[len(STEP_PREFIX):].isdigit():
+            if d.is_dir() and d.name.startswith(STEP_PREFIX) and d.name[len(STEP_PREFIX) :].isdigit():
                 if (d / "trainer_state.json").is_file():
-                    steps.append(int(d.name[len(STEP_PREFIX):]))
+                    steps.append(int(d.name[len(STEP_PREFIX) :]))
     return sorted(steps)
 
 
@@ -101,8 +101,13 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]),
-                  float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].copy()),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -122,8 +127,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, *, policy, model_state, tokenizer, optim_state, scheduler, layout: dict,
-         job_yaml: str, rt, batch: dict | None, keep_last: int) -> Path:
+def save(
+    run_dir: Path,
+    step: int,
+    *,
+    policy,
+    model_state,
+    tokenizer,
+    optim_state,
+    scheduler,
+    layout: dict,
+    job_yaml: str,
+    rt,
+    batch: dict | None,
+    keep_last: int,
+) -> Path:
     """Write checkpoint `step` atomically (every policy rank calls this; rank 0 commits it)."""
     import torch.distributed as dist
 
@@ -199,8 +217,17 @@ def load_batch(path: Path, rank: int) -> dict | None:
 
 
 # Fields whose change breaks continuity of a run (the rest are reported and allowed).
-BREAKING = ("model.path", "data.path", "data.prompt_field", "algorithm.num_generations", "train.seed",
-            "train.steps_per_generation", "algorithm.num_iterations", "reward.functions", "reward.model")
+BREAKING = (
+    "model.path",
+    "data.path",
+    "data.prompt_field",
+    "algorithm.num_generations",
+    "train.seed",
+    "train.steps_per_generation",
+    "algorithm.num_iterations",
+    "reward.functions",
+    "reward.model",
+)
 
 
 def continuity(saved_yaml: str, saved_layout: dict, job, layout: dict) -> tuple[list[str], list[str]]:
@@ -217,8 +244,10 @@ def continuity(saved_yaml: str, saved_layout: dict, job, layout: dict) -> tuple[
                 text = f"{section}.{name}: {before!r} -> {value!r}"
                 (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)
     if saved_layout.get("global_batch") != layout.get("global_batch"):
-        breaking.append(f"global batch (per_device_batch x policy ranks): {saved_layout.get('global_batch')} -> "
-                        f"{layout.get('global_batch')}")
+        breaking.append(
+            f"global batch (per_device_batch x policy ranks): {saved_layout.get('global_batch')} -> "
+            f"{layout.get('global_batch')}"
+        )
     return breaking, harmless
 
 
@@ -234,8 +263,11 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
         if inner is not None:
             return inner
     if not (p / "trainer_state.json").is_file():
-        raise UserError(f"{resume} is not a complete checkpoint (no trainer_state.json).", field="output.resume",
-                        fix="give a checkpoints/step-N folder, or --set output.resume=auto")
+        raise UserError(
+            f"{resume} is not a complete checkpoint (no trainer_state.json).",
+            field="output.resume",
+            fix="give a checkpoints/step-N folder, or --set output.resume=auto",
+        )
     return p
 
 
@@ -247,14 +279,20 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
     if step is None:
         src = run_dir / "final" if (run_dir / "final" / "config.json").is_file() else latest(run_dir)
         if src is None:
-            raise UserError(f"{run_dir} holds no final model and no complete checkpoint.", field="RUN_DIR",
-                            fix="point at a run directory written by gpufleet train")
+            raise UserError(
+                f"{run_dir} holds no final model and no complete checkpoint.",
+                field="RUN_DIR",
+                fix="point at a run directory written by gpufleet train",
+            )
     else:
         src = run_dir / "checkpoints" / f"{STEP_PREFIX}{step}"
         if not (src / "trainer_state.json").is_file():
             have = ", ".join(map(str, complete_steps(run_dir))) or "none"
-            raise UserError(f"no complete checkpoint for step {step} in {run_dir} (complete: {have}).",
-                            field="--step", fix="pick one of the complete steps")
+            raise UserError(
+                f"no complete checkpoint for step {step} in {run_dir} (complete: {have}).",
+                field="--step",
+                fix="pick one of the complete steps",
+            )
     if to.exists() and any(to.iterdir()):
         raise UserError(f"{to} exists and is not empty.", field="--to", fix="give a new or empty folder")
     to.mkdir(parents=True, exist_ok=True)

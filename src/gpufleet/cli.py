@@ -27,29 +27,51 @@ def _parser() -> argparse.ArgumentParser:
     def job_verb(name: str, help: str, gpus: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         sp.add_argument("job", help="the job file (YAML)")
-        sp.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one field (repeatable; wins over the file and GPUFLEET_* env)")
+        sp.add_argument(
+            "--set",
+            dest="sets",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
+            help="override one field (repeatable; wins over the file and GPUFLEET_* env)",
+        )
         if gpus:
             sp.add_argument("--gpus", default="auto", metavar="SPEC", help=gpus)
         return sp
 
     what_if = "auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB"
-    job_verb("check", "check every rule of a job before anything loads; exit 2 on any error",
-             f"hardware to check against: {what_if}")
+    job_verb(
+        "check",
+        "check every rule of a job before anything loads; exit 2 on any error",
+        f"hardware to check against: {what_if}",
+    )
     c = job_verb("config", "print the resolved job and where each value came from", "")
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
-    c = job_verb("plan", "predict the memory of every device; which role goes where; the largest that fits",
-                 f"hardware to plan for: {what_if}")
+    c = job_verb(
+        "plan",
+        "predict the memory of every device; which role goes where; the largest that fits",
+        f"hardware to plan for: {what_if}",
+    )
     c.add_argument("--format", choices=("table", "json"), default="table")
-    c = job_verb("train", "check the job, then train it and save the model, metrics and samples",
-                 "auto (detect) or cpu: run on the CPU, each placement device id becoming a CPU process")
+    c = job_verb(
+        "train",
+        "check the job, then train it and save the model, metrics and samples",
+        "auto (detect) or cpu: run on the CPU, each placement device id becoming a CPU process",
+    )
     c.add_argument("--print-launch", action="store_true", help="print the torchrun command per node and exit")
-    c.add_argument("--force", action="store_true", help="train even if the job is predicted not to fit in memory")
+    c.add_argument(
+        "--force", action="store_true", help="train even if the job is predicted not to fit in memory"
+    )
     c.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    e = sub.add_parser("export", help="write a checkpoint (or the final model) as a Hugging Face model folder",
-                       description="write a checkpoint (or the final model) as a Hugging Face model folder")
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint (or the final model) as a Hugging Face model folder",
+        description="write a checkpoint (or the final model) as a Hugging Face model folder",
+    )
     e.add_argument("run_dir", help="a run directory (output.dir of a gpufleet train run)")
-    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the final model, else the newest)")
+    e.add_argument(
+        "--step", type=int, default=None, help="checkpoint step (default: the final model, else the newest)"
+    )
     e.add_argument("--to", required=True, help="the folder to write (new or empty)")
     return p
 
@@ -94,8 +116,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.verb == "train":
             from gpufleet.launch.train import train_command
 
-            return train_command(args.job, args.sets, args.gpus, env, print_launch=args.print_launch,
-                                 force=args.force)
+            return train_command(
+                args.job, args.sets, args.gpus, env, print_launch=args.print_launch, force=args.force
+            )
     except UserError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

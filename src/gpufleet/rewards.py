@@ -37,7 +37,9 @@ def completion_answer(completion: Any) -> str | None:
     return _number(tagged[-1] if tagged else text)
 
 
-def answer_match(prompts: list, completions: list, answer: list | None = None, **_: Any) -> list[float | None]:
+def answer_match(
+    prompts: list, completions: list, answer: list | None = None, **_: Any
+) -> list[float | None]:
     """1.0 when the completion's final number equals the reference answer's, else 0.0 (None: no answer column)."""
     if answer is None:
         return [None] * len(completions)

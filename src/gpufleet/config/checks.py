@@ -20,8 +20,8 @@ from pathlib import Path
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import FieldRef, Problem
 from gpufleet.hardware import Hardware
-from gpufleet.modelinfo import ModelInfo, looks_like_hub_id
 from gpufleet.launch.torchrun import free_port
+from gpufleet.modelinfo import ModelInfo, looks_like_hub_id
 from gpufleet.topology import Topology, resolve_topology
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
@@ -56,8 +56,8 @@ def run_checks(
 ) -> tuple[list[Problem], Context]:
     """All problems of a resolved job on this hardware: value problems first, then every rule."""
     env = os.environ if env is None else env
-    from gpufleet.plan.known_models import lookup_config
     from gpufleet.modelinfo import from_config
+    from gpufleet.plan.known_models import lookup_config
 
     topo, topo_problems = resolve_topology(r, hw)
     found = lookup_config(r.job.model.path, env)  # local config.json, else the table of known hub models
@@ -590,7 +590,7 @@ def output_dir(ctx: Context):
 
 def _fit(ctx: Context):
     """Memory: every device must hold what the plan puts on it (see gpufleet.plan)."""
-    from gpufleet.plan.placement import fit_problems
+    from gpufleet.plan.fixes import fit_problems
 
     return fit_problems(ctx)
 

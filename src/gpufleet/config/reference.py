@@ -1,6 +1,6 @@
 """Markdown reference of every job field, generated from the schema docstrings.
 
-    python -m gpufleet.config.reference > /tmp/ref.md   # the README's "Job file reference" section
+python -m gpufleet.config.reference > /tmp/ref.md   # the README's "Job file reference" section
 """
 
 from __future__ import annotations

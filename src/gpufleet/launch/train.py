@@ -17,7 +17,12 @@ from gpufleet.hardware import resolve_hardware
 
 
 def train_command(
-    job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], *, print_launch: bool = False,
+    job: str,
+    sets: Sequence[str],
+    gpus: str,
+    env: Mapping[str, str],
+    *,
+    print_launch: bool = False,
     force: bool = False,
 ) -> int:
     hw = resolve_hardware(gpus, env)
@@ -67,9 +72,13 @@ def train_command(
             return EXIT_USER_ERROR
         done = checkpoint.load_state(ckpt).step
         if done >= jb.train.max_steps:
-            print(f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do.")
-            print(f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
-                  f"{str(out).rstrip('/')}-2")
+            print(
+                f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do."
+            )
+            print(
+                f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
+                f"{str(out).rstrip('/')}-2"
+            )
             return 0
         print(f"resuming from {ckpt} (step {done})" + (f"; changed: {'; '.join(changes)}" if changes else ""))
     elif holds_run(out):  # a run that never reached a checkpoint: its logs are kept aside, not overwritten

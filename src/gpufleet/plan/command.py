@@ -20,16 +20,18 @@ from gpufleet.config.load import Resolved, load_job
 from gpufleet.config.problems import Problem
 from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import Hardware, resolve_hardware
-from gpufleet.plan.memory import gib
-from gpufleet.plan.placement import (
-    HEADROOM,
+from gpufleet.plan.fixes import (
     Fix,
     Largest,
-    Models,
-    Plan,
     find_fixes,
     find_layouts,
     largest_that_fits,
+)
+from gpufleet.plan.memory import gib
+from gpufleet.plan.placement import (
+    HEADROOM,
+    Models,
+    Plan,
     load_models,
     make_plan,
 )

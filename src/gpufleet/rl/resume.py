@@ -25,8 +25,13 @@ from gpufleet.rl.rollout import Rollout
 
 def layout(p) -> dict:
     rt, t = p.rt, p.job.train
-    return {"world_size": rt.world_size, "policy_ranks": rt.policy_size, "strategy": p.job.placement.strategy,
-            "per_device_batch": t.per_device_batch, "global_batch": t.per_device_batch * rt.policy_size}
+    return {
+        "world_size": rt.world_size,
+        "policy_ranks": rt.policy_size,
+        "strategy": p.job.placement.strategy,
+        "per_device_batch": t.per_device_batch,
+        "global_batch": t.per_device_batch * rt.policy_size,
+    }
 
 
 def _is_fsdp(model) -> bool:
@@ -40,8 +45,9 @@ def optimizer_state(p, opt) -> dict | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     full = _is_fsdp(p.train_model)
-    state = get_optimizer_state_dict(p.train_model, opt,
-                                     options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    state = get_optimizer_state_dict(
+        p.train_model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+    )
     return state if p.rt.is_main else None
 
 
@@ -52,9 +58,20 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
     optim = optimizer_state(p, opt)
     reuse = p.job.train.steps_per_generation * p.job.algorithm.num_iterations
     batch = scored_to_dict(scored) if scored is not None and step % reuse != 0 else None
-    return checkpoint.save(out_dir, step, policy=p.policy, model_state=model_state, tokenizer=p.tokenizer,
-                           optim_state=optim, scheduler=sched.state_dict(), layout=layout(p), job_yaml=job_yaml,
-                           rt=p.rt, batch=batch, keep_last=p.job.output.keep_last)
+    return checkpoint.save(
+        out_dir,
+        step,
+        policy=p.policy,
+        model_state=model_state,
+        tokenizer=p.tokenizer,
+        optim_state=optim,
+        scheduler=sched.state_dict(),
+        layout=layout(p),
+        job_yaml=job_yaml,
+        rt=p.rt,
+        batch=batch,
+        keep_last=p.job.output.keep_last,
+    )
 
 
 def check(ckpt: Path, job, global_batch: int) -> list[str]:
@@ -67,7 +84,7 @@ def check(ckpt: Path, job, global_batch: int) -> list[str]:
             f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",
             field="output.resume",
             fix="undo the change, or start a new run with --set output.dir=<new dir> (or --set output.resume=never "
-                "with an empty dir)",
+            "with an empty dir)",
         )
     return harmless
 
@@ -78,8 +95,9 @@ def restore(p, opt, sched, ckpt: Path, out_dir: Path) -> tuple[int, Scored | Non
 
     state = checkpoint.load_state(ckpt)
     full = _is_fsdp(p.train_model)
-    set_optimizer_state_dict(p.train_model, opt, checkpoint.load_optimizer(ckpt),
-                             options=StateDictOptions(full_state_dict=full))
+    set_optimizer_state_dict(
+        p.train_model, opt, checkpoint.load_optimizer(ckpt), options=StateDictOptions(full_state_dict=full)
+    )
     sched.load_state_dict(state.scheduler)
     rng = checkpoint.load_rng(ckpt, p.rt.rank)
     if rng is not None:
@@ -112,16 +130,28 @@ def truncate_jsonl(path: Path, step: int) -> None:
 def scored_to_dict(s: Scored) -> dict:
     b = {f.name: getattr(s.batch, f.name) for f in fields(s.batch)}
     r = {f.name: getattr(s.rollout, f.name) for f in fields(s.rollout)}
-    return {"batch": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()},
-            "rollout": {k: v.cpu() for k, v in r.items()}, "prompts": list(s.prompts),
-            "completions": list(s.completions), "rewards": s.rewards, "per_function": s.per_function,
-            "stats": dict(s.stats)}
+    return {
+        "batch": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()},
+        "rollout": {k: v.cpu() for k, v in r.items()},
+        "prompts": list(s.prompts),
+        "completions": list(s.completions),
+        "rewards": s.rewards,
+        "per_function": s.per_function,
+        "stats": dict(s.stats),
+    }
 
 
 def scored_from_dict(d: dict, device: torch.device) -> Scored:
     b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["batch"].items()}
-    return Scored(GenerationBatch(**b), Rollout(**{k: v.to(device) for k, v in d["rollout"].items()}),
-                  d["prompts"], d["completions"], d["rewards"], d["per_function"], d["stats"])
+    return Scored(
+        GenerationBatch(**b),
+        Rollout(**{k: v.to(device) for k, v in d["rollout"].items()}),
+        d["prompts"],
+        d["completions"],
+        d["rewards"],
+        d["per_function"],
+        d["stats"],
+    )
 
 
 def save_final(p, folder: Path) -> None:

@@ -299,10 +299,15 @@ def train(job: Job, out_dir: Path, rt: Runtime | None = None, log=print) -> dict
     if ckpt is not None:
         start, scored = resume.restore(p, opt, sched, ckpt, out_dir)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        log(f"resuming from {ckpt} at step {start} (attempt {attempt})"
-            + (f"; changed since then: {'; '.join(changes)}" if changes else ""))
-    job_yaml = (out_dir / "job.yaml").read_text(encoding="utf-8") if (out_dir / "job.yaml").exists() else \
-        yaml.safe_dump(job.model_dump(mode="json"))
+        log(
+            f"resuming from {ckpt} at step {start} (attempt {attempt})"
+            + (f"; changed since then: {'; '.join(changes)}" if changes else "")
+        )
+    job_yaml = (
+        (out_dir / "job.yaml").read_text(encoding="utf-8")
+        if (out_dir / "job.yaml").exists()
+        else yaml.safe_dump(job.model_dump(mode="json"))
+    )
     metrics_log = JsonlWriter(out_dir / "metrics.jsonl") if rt.is_main else None
     samples_log = JsonlWriter(out_dir / "samples.jsonl") if rt.is_main else None
     progress = Progress(t.max_steps, start)
