@@ -20,10 +20,9 @@ def read_metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_reward_rises_on_builtin_task(tmp_path, capsys):
-    torch.set_num_threads(1)
-    run = tmp_path / "run"
-    code = main(
+def train_here(run: Path, *sets: str) -> int:
+    """`gpufleet train examples/quickstart.yaml --gpus cpu --set output.dir=RUN --set ...` in-process."""
+    return main(
         [
             "train",
             QUICK,
@@ -31,13 +30,16 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
             "cpu",
             "--set",
             f"output.dir={run}",
-            "--set",
-            "train.max_steps=90",
-            "--set",
-            "train.log_every=30",
+            *(x for s in sets for x in ("--set", s)),
         ],
         env={},
     )
+
+
+def test_reward_rises_on_builtin_task(tmp_path, capsys):
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    code = train_here(run, "train.max_steps=90", "train.log_every=30")
     out = capsys.readouterr().out
     assert code == 0, out
     rewards = [m["reward"] for m in read_metrics(run)]
@@ -47,13 +49,7 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
     assert "model:" in out and str(run / "final") in out
     # A second `train` on a finished run does nothing and loses nothing.
     before = (run / "metrics.jsonl").read_text()
-    assert (
-        main(
-            ["train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}", "--set", "train.max_steps=90"],
-            env={},
-        )
-        == 0
-    )
+    assert train_here(run, "train.max_steps=90") == 0
     assert "already holds a finished run" in capsys.readouterr().out
     assert (run / "metrics.jsonl").read_text() == before
 
@@ -61,24 +57,12 @@ def test_reward_rises_on_builtin_task(tmp_path, capsys):
 @pytest.mark.parametrize("precision, checkpointing", [("bf16", False), ("fp32", True)])
 def test_precision_and_checkpointing_run(tmp_path, capsys, precision, checkpointing):
     run = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            QUICK,
-            "--gpus",
-            "cpu",
-            "--set",
-            f"output.dir={run}",
-            "--set",
-            "train.max_steps=2",
-            "--set",
-            "train.per_device_batch=16",
-            "--set",
-            f"train.precision={precision}",
-            "--set",
-            f"model.gradient_checkpointing={str(checkpointing).lower()}",
-        ],
-        env={},
+    code = train_here(
+        run,
+        "train.max_steps=2",
+        "train.per_device_batch=16",
+        f"train.precision={precision}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}",
     )
     assert code == 0, capsys.readouterr()
     assert all(m["grad_norm"] >= 0 for m in read_metrics(run))
@@ -86,19 +70,7 @@ def test_precision_and_checkpointing_run(tmp_path, capsys, precision, checkpoint
 
 def test_bad_job_starts_nothing(tmp_path, capsys):
     run = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            QUICK,
-            "--gpus",
-            "cpu",
-            "--set",
-            f"output.dir={run}",
-            "--set",
-            "algorithm.num_generations=5",
-        ],
-        env={},
-    )
+    code = train_here(run, "algorithm.num_generations=5")
     err = capsys.readouterr().err
     assert code == 2 and "algorithm.num_generations" in err and "Nothing was started" in err
     assert not run.exists()

@@ -1,0 +1,239 @@
+"""Rules about things outside the job file: model folders, reward modules, data files, run directories.
+
+They look, never load: a reward `module:function` is found by reading the module's source, a data
+file's columns from its first record or header. Registered with `gpufleet.config.checks.rule`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from gpufleet.config.checks import Context, _err, _warn, rule
+from gpufleet.modelinfo import looks_like_hub_id
+
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+
+
+@rule
+def model_path_exists(ctx: Context):
+    from gpufleet import builtin_models
+
+    for field in ("model.path", "reward.model"):
+        path = ctx.r.value(field)
+        if path is None:
+            continue
+        if builtin_models.is_builtin(path):
+            name = builtin_models.builtin_name(path)
+            if name not in builtin_models.BUILTIN_MODELS:
+                known = ", ".join(f"builtin:{n}" for n in builtin_models.BUILTIN_MODELS)
+                yield _err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
+            continue
+        local = Path(path).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                yield _err(
+                    [ctx.ref(field)],
+                    f"{path} is not a model folder (no config.json in it).",
+                    "point it at the folder save_pretrained wrote, or at a hub id like Qwen/Qwen2.5-0.5B-Instruct",
+                )
+        elif not looks_like_hub_id(path):
+            yield _err(
+                [ctx.ref(field)],
+                f"{path!r} is neither a local folder nor a hub id (org/name).",
+                "fix the path, or use a hub id like Qwen/Qwen2.5-0.5B-Instruct",
+            )
+        elif field == "model.path" and ctx.model is None:
+            yield _warn(
+                [ctx.ref(field)],
+                f"{path} is not in the local Hugging Face cache, so the rules that need "
+                "its config.json (heads, context length) were skipped.",
+                f"download it once (huggingface-cli download {path}) to check it fully",
+            )
+
+
+@rule
+def rewards_resolvable(ctx: Context):
+    from gpufleet import tasks
+
+    rw, data = ctx.job.reward, ctx.job.data
+    names = list(rw.functions)
+    builtin_task = data.path.startswith("builtin:")
+    if not names and rw.model is None and not builtin_task:
+        yield _err(
+            [ctx.ref("reward.functions"), ctx.ref("reward.model"), ctx.ref("data.path")],
+            "no reward: no reward functions, no reward model, and the dataset is not a built-in task.",
+            "--set reward.functions=my_rewards:accuracy (a module:function on your PYTHONPATH)",
+        )
+    known = tasks.reward_names()
+    for name in names:
+        if ":" in name:
+            why = _import_path_problem(name)
+            if why:
+                yield _err(
+                    [ctx.ref("reward.functions")],
+                    f"reward function {name!r}: {why}.",
+                    "give module:function where module is importable (run from its folder or set PYTHONPATH)",
+                )
+        elif name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, known, n=1)
+            yield _err(
+                [ctx.ref("reward.functions")],
+                f"{name!r} is neither module:function nor a built-in reward.",
+                f"did you mean {close[0]!r}?" if close else f"built-in rewards: {', '.join(known)}",
+            )
+    count = len(names) + (1 if rw.model else 0) or (
+        len(tasks.get_task(data.path[8:]).default_rewards)
+        if builtin_task and data.path[8:] in tasks.TASKS
+        else 0
+    )
+    if rw.weights is not None and count and len(rw.weights) != count:
+        yield _err(
+            [ctx.ref("reward.weights"), ctx.ref("reward.functions"), ctx.ref("reward.model")],
+            f"{len(rw.weights)} weights for {count} rewards.",
+            f"give {count} weights (one per function, then the model), e.g. --set reward.weights="
+            + ",".join(["1.0"] * count),
+        )
+
+
+def _import_path_problem(path: str) -> str | None:
+    """Why `module:function` cannot be resolved, without running the module when its source is readable."""
+    module, _, attr = path.partition(":")
+    if not module or not attr or not attr.isidentifier():
+        return "write it as module:function"
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:
+        return f"module {module!r} cannot be found ({e})"
+    if spec is None:
+        return f"module {module!r} is not importable from here"
+    origin = spec.origin
+    if origin and origin.endswith(".py") and os.path.isfile(origin):
+        try:
+            tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
+        except (SyntaxError, OSError, UnicodeDecodeError) as e:
+            return f"{origin} cannot be parsed ({e})"
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if attr not in names:
+            return f"{origin} defines no {attr!r}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+@rule
+def data_available(ctx: Context):
+    from gpufleet import tasks
+
+    data = ctx.job.data
+    if data.path.startswith("builtin:"):
+        name = data.path[len("builtin:") :]
+        if name not in tasks.TASKS:
+            yield _err(
+                [ctx.ref("data.path")],
+                f"there is no built-in task {name!r}.",
+                "use one of " + ", ".join(f"builtin:{n}" for n in tasks.TASKS),
+            )
+        return
+    p = Path(data.path).expanduser()
+    if not p.exists():
+        if looks_like_hub_id(data.path) and p.suffix.lower() not in DATA_EXTENSIONS:
+            yield _warn(
+                [ctx.ref("data.path")],
+                "a hub dataset id: it is loaded with datasets.load_dataset at train time.",
+                "for offline runs, save it as a local .jsonl/.parquet file",
+            )
+        else:
+            yield _err(
+                [ctx.ref("data.path")],
+                f"{data.path} does not exist.",
+                "fix the path (a .jsonl, .json, .parquet or .csv file)",
+            )
+        return
+    if p.is_file() and p.suffix.lower() not in DATA_EXTENSIONS:
+        yield _err(
+            [ctx.ref("data.path")],
+            f"{p.suffix or 'no extension'} is not a data format gpufleet reads.",
+            "convert it to .jsonl, .json, .parquet or .csv",
+        )
+        return
+    columns = _columns(p)
+    if columns is not None and data.prompt_field not in columns:
+        import difflib
+
+        likely = [
+            c
+            for c in ("prompt", "question", "query", "problem", "instruction", "input", "text")
+            if c in columns
+        ]
+        close = difflib.get_close_matches(data.prompt_field, columns, n=1) or likely or columns[:1]
+        hint = f"--set data.prompt_field={close[0]}" if close else "add a prompt column to the file"
+        yield _err(
+            [ctx.ref("data.prompt_field"), ctx.ref("data.path")],
+            f"{p.name} has no column {data.prompt_field!r} (columns: {', '.join(columns[:10])}).",
+            hint,
+        )
+
+
+def _columns(p: Path) -> list[str] | None:
+    """Column names from the first record/header (None when they cannot be read cheaply)."""
+    try:
+        if p.suffix == ".jsonl":
+            with p.open(encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        rec = json.loads(line)
+                        return list(rec) if isinstance(rec, dict) else []
+            return []
+        if p.suffix == ".csv":
+            import csv
+
+            with p.open(encoding="utf-8", newline="") as f:
+                return next(csv.reader(f), [])
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def holds_run(d: Path) -> bool:
+    return d.is_dir() and any((d / n).exists() for n in ("checkpoints", "metrics.jsonl", "job.yaml"))
+
+
+@rule
+def output_dir(ctx: Context):
+    o = ctx.job.output
+    d = Path(o.dir).expanduser()
+    if d.exists() and not d.is_dir():
+        yield _err(
+            [ctx.ref("output.dir")], f"{o.dir} exists and is a file.", "--set output.dir=<a new folder>"
+        )
+        return
+    if o.resume == "never" and holds_run(d):
+        yield _err(
+            [ctx.ref("output.dir"), ctx.ref("output.resume")],
+            f"{o.dir} already holds a run and resume is never, so it would be overwritten.",
+            f"continue it with --set output.resume=auto, or start fresh with --set output.dir={o.dir.rstrip('/')}-2",
+        )
+    elif o.resume not in ("auto", "never") and not Path(o.resume).expanduser().exists():
+        yield _err(
+            [ctx.ref("output.resume")],
+            f"checkpoint {o.resume} does not exist.",
+            "--set output.resume=auto (newest checkpoint in output.dir) or the path of a checkpoints/step-N folder",
+        )
