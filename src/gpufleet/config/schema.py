@@ -263,6 +263,17 @@ class Job(BaseModel):
     launch: LaunchSection = Field(default_factory=LaunchSection)
     output: OutputSection = Field(default_factory=OutputSection)
 
+    def roles_used(self) -> dict[str, bool]:
+        """Whether the reference and reward roles have anything to hold (the one place this is decided):
+        a reference model only when the KL term is on (beta > 0), a reward model only when one is named."""
+        return {"reference": self.algorithm.beta > 0, "reward": self.reward.model is not None}
+
+    def generation_batch(self, policy_ranks: int) -> int:
+        """Completions sampled per generation round over all policy ranks (the one place this is computed):
+        per_device_batch x policy ranks x steps_per_generation."""
+        t = self.train
+        return t.per_device_batch * policy_ranks * t.steps_per_generation
+
 
 SECTIONS: dict[str, type[Section]] = {
     name: info.default_factory  # type: ignore[misc]
