@@ -225,6 +225,10 @@ class LaunchSection(Section):
     master_port: Literal["auto"] | Annotated[int, Field(ge=1, le=65535)] = "auto"
     """TCP port of rank 0's store. `auto`: a free port chosen at launch."""
 
+    rendezvous_timeout: int = Field(600, ge=1)
+    """Seconds a node waits at the rendezvous for the other nodes of a multi-node job (torchrun's
+    `join_timeout`). A node that never arrives makes the others stop with a message after this long."""
+
     max_restarts: int = Field(0, ge=0)
     """Times torchrun restarts all workers after a failure (each restart resumes from the last checkpoint)."""
 

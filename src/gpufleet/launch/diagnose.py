@@ -51,6 +51,25 @@ def first_failure(logs: Path, tail: int = 12) -> Failure | None:
     )
 
 
+def agent_failure(agent_log: str, launch) -> str | None:
+    """A failure of torchrun's own agent (no worker ran or none wrote a record), from its log text:
+    a rendezvous that timed out waiting for other nodes, or a rendezvous port already taken."""
+    if "RendezvousTimeoutError" in agent_log:
+        return (
+            f"gpufleet: error: node {launch.node_rank} waited {launch.rendezvous_timeout} s at the rendezvous "
+            f"{launch.rdzv_endpoint} and not all {launch.nnodes} nodes arrived; start `gpufleet train` with "
+            f"--set launch.node_rank=<n> on every other node (same job, same rdzv_endpoint), or raise "
+            f"launch.rendezvous_timeout"
+        )
+    if "EADDRINUSE" in agent_log or "address already in use" in agent_log.lower():
+        where = launch.rdzv_endpoint if launch.nnodes > 1 else f"{launch.master_addr}:{launch.master_port}"
+        return (
+            f"gpufleet: error: the rendezvous port {where} is already in use on this machine (another run?); "
+            "pick a free port (launch.master_port: auto for one node) or stop the other run"
+        )
+    return None
+
+
 def unexplained(logs: Path, exit_code: int, tail: int = 12) -> str:
     """No error record: a rank was killed (OOM killer, signal). Show every rank's last lines."""
     lines = [

@@ -13,10 +13,14 @@ same values whatever the environment of the node. Single node: a static rendezvo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,6 +67,8 @@ def torchrun_argv(
             f"gpufleet-{run_id}",
             "--node-rank",
             str(la.node_rank if node_rank is None else node_rank),
+            "--rdzv-conf",
+            f"join_timeout={la.rendezvous_timeout}",
         ]
     else:
         if port is None:
@@ -110,3 +116,61 @@ def describe_launch(job: Job, topo: Topology, job_file: Path, *, cpu: bool, job_
         env = worker_env(topo)
         lines.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
     return "\n".join(lines)
+
+
+class Interrupted(Exception):
+    """The launcher was asked to stop (Ctrl-C, SIGINT, SIGTERM); every rank has been stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the agent gets SIGTERM when the launcher dies, even by SIGKILL (it then stops its workers)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0) -> int:
+    """Run torchrun's agent in its own process group and wait for it.
+
+    A Ctrl-C at the terminal, or SIGINT / SIGTERM sent to the launcher or its process group, is
+    forwarded to the agent exactly once; the agent stops every worker (SIGTERM, then SIGKILL after
+    its own timeout) and exits. If it has not exited after `grace_s`, its group is killed. Raises
+    `Interrupted` after such a stop, returns the agent's exit code otherwise.
+    """
+    proc = subprocess.Popen(
+        argv, env=dict(env), stderr=stderr, start_new_session=True, preexec_fn=die_with_parent
+    )
+    got: list[int] = []
+
+    def forward(signum, _frame):
+        if not got:
+            got.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    deadline = None
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if got and deadline is None:
+                    deadline = time.monotonic() + grace_s
+                if deadline is not None and time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        raise Interrupted(got[0])
+    return code

@@ -4,7 +4,6 @@ or through torchrun (N processes), and print where the results are or why it fai
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ from gpufleet.commands import render_problems, render_yaml, summary
 from gpufleet.config.checks import run_checks
 from gpufleet.config.load import load_job
 from gpufleet.config.resources import holds_run
-from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import resolve_hardware
 
 
@@ -26,18 +25,9 @@ def train_command(
     print_launch: bool = False,
     force: bool = False,
 ) -> int:
-    hw = resolve_hardware(gpus, env)
-    r = load_job(job, sets, env)
-    problems, ctx = run_checks(r, hw, env)
-    auto_sets = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else []
-    if auto_sets:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
-        print(f"placement auto -> {' '.join(auto_sets)} (gpufleet plan explains why)")
-        r = load_job(job, [*sets, *(s.removeprefix("--set ") for s in auto_sets)], env)
-        problems, ctx = run_checks(r, hw, env)
-    if force:  # --force: a predicted out-of-memory is the user's call; every other rule still holds
-        for p in problems:
-            if p.extra.get("rule") == "fit" and p.severity == "error":
-                p.severity = "warning"
+    """Check, prepare the run directory, train (in-process or torchrun), say where the results are."""
+    hw = _hardware_here(gpus, env)
+    r, problems, ctx = _checked(job, sets, hw, env, force)
     if any(p.severity == "error" for p in problems):
         print(render_problems(problems), file=sys.stderr)
         print(summary(problems) + " Nothing was started.", file=sys.stderr)
@@ -55,35 +45,83 @@ def train_command(
         else:
             print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job))
         return 0
-    from gpufleet import checkpoint
-    from gpufleet.errors import UserError
+    if _finished(out, jb, topo):
+        return 0
+    _prepare_run_dir(r, out, job_file)
+    _header(job, jb, topo, hw, out)
+    from gpufleet.launch.torchrun import Interrupted
 
     try:
-        ckpt = checkpoint.resolve_resume(out, jb.output.resume)
-    except UserError as e:
-        print(f"gpufleet: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    if ckpt is not None:
-        from gpufleet.rl.resume import check
+        code = (
+            _in_process(jb, out, hw, topo)
+            if topo.world_size == 1
+            else _torchrun(jb, topo, job_file, out, hw, env)
+        )
+    except (KeyboardInterrupt, Interrupted):
+        print(_interrupted(out, jb), file=sys.stderr)
+        return 130
+    if code == 0:
+        _results(out, jb)
+    return code
 
-        try:
-            changes = check(ckpt, jb, jb.train.per_device_batch * topo.policy_ranks)
-        except UserError as e:
-            print(f"gpufleet: error: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        done = checkpoint.load_state(ckpt).step
-        if done >= jb.train.max_steps:
-            print(
-                f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do."
-            )
-            print(
-                f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
-                f"{str(out).rstrip('/')}-2"
-            )
-            return 0
-        print(f"resuming from {ckpt} (step {done})" + (f"; changed: {'; '.join(changes)}" if changes else ""))
-    elif holds_run(out):  # a run that never reached a checkpoint: its logs are kept aside, not overwritten
-        for name in ("metrics.jsonl", "samples.jsonl"):
+
+def _hardware_here(gpus: str, env: Mapping[str, str]):
+    """`train` runs on the hardware that is here: `auto` (detect) or `cpu`; a what-if spec is refused."""
+    if gpus.strip().lower() not in ("auto", "cpu"):
+        here = resolve_hardware("auto", env)
+        raise UserError(
+            f"--gpus {gpus!r}: train runs on the hardware that is here ({here.describe()}), not on a what-if "
+            f"spec; use `gpufleet plan JOB --gpus {gpus}` or `gpufleet check JOB --gpus {gpus}` to ask "
+            "whether it would fit",
+            fix="--gpus auto (detect) or --gpus cpu",
+        )
+    return resolve_hardware(gpus, env)
+
+
+def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: bool):
+    """Resolve and check the job; apply `placement: auto` as the planner decides; --force."""
+    r = load_job(job, sets, env)
+    problems, ctx = run_checks(r, hw, env)
+    auto_sets = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else []
+    if auto_sets:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
+        print(f"placement auto -> {' '.join(auto_sets)} (gpufleet plan explains why)")
+        r = load_job(job, [*sets, *(s.removeprefix("--set ") for s in auto_sets)], env)
+        problems, ctx = run_checks(r, hw, env)
+    if force:  # --force: a predicted out-of-memory is the user's call; every other rule still holds
+        for p in problems:
+            if p.extra.get("rule") == "fit" and p.severity == "error":
+                p.severity = "warning"
+    return r, problems, ctx
+
+
+def _finished(out: Path, jb, topo) -> bool:
+    """Check the checkpoint to resume from (raises UserError on a breaking change); True when the run
+    in `out` already reached max_steps (then say so and how to go on)."""
+    from gpufleet import checkpoint
+    from gpufleet.rl.resume import check
+
+    ckpt = checkpoint.resolve_resume(out, jb.output.resume)
+    if ckpt is None:
+        return False
+    changes = check(ckpt, jb, jb.train.per_device_batch * topo.policy_ranks)
+    done = checkpoint.load_state(ckpt).step
+    if done >= jb.train.max_steps:
+        print(f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do.")
+        print(
+            f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
+            f"{str(out).rstrip('/')}-2"
+        )
+        return True
+    print(f"resuming from {ckpt} (step {done})" + (f"; changed: {'; '.join(changes)}" if changes else ""))
+    return False
+
+
+def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
+    """Keep an unfinished run's logs aside (node 0 only: nodes may share the folder), write job.yaml."""
+    from gpufleet import checkpoint
+
+    if r.job.launch.node_rank == 0 and checkpoint.latest(out) is None and holds_run(out):
+        for name in ("metrics.jsonl", "samples.jsonl"):  # a run that never reached a checkpoint
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
     out.mkdir(parents=True, exist_ok=True)
@@ -91,6 +129,9 @@ def train_command(
     tmp = job_file.with_name(f".job.yaml.{os.getpid()}")
     tmp.write_text(render_yaml(r) + "\n", encoding="utf-8")
     os.replace(tmp, job_file)
+
+
+def _header(job: str, jb, topo, hw, out: Path) -> None:
     a, t = jb.algorithm, jb.train
     print(f"gpufleet train {job}: {jb.model.path}; {topo.describe()}; {hw.describe()}", flush=True)
     print(
@@ -99,15 +140,52 @@ def train_command(
         f"output {out}",
         flush=True,
     )
-    if topo.world_size == 1:
-        code = _in_process(jb, out, hw, topo)
-    else:
-        code = _torchrun(jb, topo, job_file, out, hw, env)
-    if code == 0:
-        print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
-        print(f"  metrics: {out / 'metrics.jsonl'}")
-        print(f"  samples: {out / 'samples.jsonl'}")
-    return code
+
+
+def _last_metrics(out: Path) -> dict:
+    """The last step's record in metrics.jsonl ({} when there is none)."""
+    import json
+
+    try:
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
+
+
+def _results(out: Path, jb) -> None:
+    """The closing lines: the same for 1 and N processes; only node 0 holds the model."""
+    if jb.launch.node_rank != 0:
+        print(
+            f"done: node {jb.launch.node_rank}'s ranks finished; node 0 writes the model to {out / 'final'}"
+        )
+        return
+    last = _last_metrics(out)
+    print(f"done: reward {last.get('reward', float('nan')):.3f} at step {int(last.get('step', 0))}")
+    print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
+    print(f"  metrics: {out / 'metrics.jsonl'}")
+    print(f"  samples: {out / 'samples.jsonl'}")
+
+
+def _interrupted(out: Path, jb) -> str:
+    """After Ctrl-C / SIGTERM: where the run stopped, the checkpoint a re-run resumes from."""
+    from gpufleet import checkpoint
+
+    step = int(_last_metrics(out).get("step", 0))
+    ckpt = checkpoint.latest(out)
+    head = f"gpufleet: interrupted after step {step}; every rank was stopped."
+    if ckpt is None:
+        return (
+            f"{head} No checkpoint was written yet (output.save_every={jb.output.save_every}): running the same "
+            "command again starts from step 0."
+        )
+    at = checkpoint.load_state(ckpt).step
+    return f"{head} Last checkpoint: {ckpt} (step {at}); run the same command again to resume from it."
 
 
 def _auto_placement(r, hw, env) -> list[str]:
@@ -140,22 +218,30 @@ def _in_process(job, out: Path, hw, topo) -> int:
 
 
 def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
-    from gpufleet.launch.diagnose import first_failure, unexplained
-    from gpufleet.launch.torchrun import torchrun_argv, worker_env
+    from gpufleet.launch.diagnose import agent_failure, first_failure, unexplained
+    from gpufleet.launch.torchrun import run_agent, torchrun_argv, worker_env
 
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for stale in logs.glob("rank*.error.json"):
-        stale.unlink()
+    first = job.launch.node_rank * topo.nproc_per_node  # this node's ranks (nodes may share the folder)
+    for rank in range(first, first + topo.nproc_per_node):
+        (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
     argv = torchrun_argv(job, topo, job_file, cpu=hw.is_cpu)
-    with (logs / "torchrun.log").open("a", encoding="utf-8") as agent_log:
-        proc = subprocess.run(argv, env=worker_env(topo, env), stdout=None, stderr=agent_log, check=False)
-    if proc.returncode == 0:
-        print("done.")
+    agent = logs / ("torchrun.log" if job.launch.nnodes == 1 else f"torchrun.node{job.launch.node_rank}.log")
+    with agent.open("a", encoding="utf-8") as agent_log:
+        start = agent_log.tell()
+        code = run_agent(argv, worker_env(topo, env), agent_log)
+    if code == 0:
         return 0
     failure = first_failure(logs)
-    if failure is None:
-        print(unexplained(logs, proc.returncode), file=sys.stderr)
-        return 1
-    print(failure.summary(logs, proc.returncode), file=sys.stderr)
-    return EXIT_USER_ERROR if failure.user_error else 1
+    if failure is not None:
+        print(failure.summary(logs, code), file=sys.stderr)
+        return EXIT_USER_ERROR if failure.user_error else 1
+    with agent.open(encoding="utf-8", errors="replace") as f:
+        f.seek(start)
+        said = agent_failure(f.read(), job.launch)
+    if said is not None:
+        print(said, file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(unexplained(logs, code), file=sys.stderr)
+    return 1

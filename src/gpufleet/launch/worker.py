@@ -56,8 +56,10 @@ def run_worker(job_file: str, gpus: str) -> int:
     from gpufleet import dist
     from gpufleet.config.load import load_job
     from gpufleet.hardware import resolve_hardware
+    from gpufleet.launch.torchrun import die_with_parent
     from gpufleet.topology import resolve_topology
 
+    die_with_parent()  # the torchrun agent dies (even by SIGKILL): this rank stops too, no orphan
     r = load_job(job_file, env={})  # the launcher's resolved job: no env/flag layers again
     job = r.job
     rank = dist.env_rank()[0]
@@ -85,6 +87,9 @@ def run_worker(job_file: str, gpus: str) -> int:
             train(job, out, rt)
         dist.shutdown(rt)
         return 0
+    except KeyboardInterrupt:  # the launcher was asked to stop: not a failure of this rank
+        print(f"rank {rank} stopped: interrupted", file=sys.stderr, flush=True)
+        return 130
     except BaseException as e:
         record = {
             "rank": rank,
