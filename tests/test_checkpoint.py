@@ -186,7 +186,7 @@ def test_torchrun_restart_resumes_and_matches(tmp_path):
     p = train(run, *sets, "launch.max_restarts=1", GPUFLEET_TEST_CRASH="1:4:0")
     assert p.returncode == 0, p.stdout + p.stderr
     log0 = (run / "logs" / "rank0.log").read_text()
-    assert "attempt 1" in log0 and "at step 2 (attempt 1)" in log0
+    assert "attempt 1" in log0 and "restart 1: resuming from" in log0 and "at step 2" in log0
     a, b = final_weights(ref), final_weights(run)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 

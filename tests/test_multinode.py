@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from test_multiprocess import BASE, QUICK, ROOT, assert_moved, assert_same_weights, train
 
 from gpufleet.launch.torchrun import free_port
+from test_multiprocess import BASE, QUICK, ROOT, assert_moved, assert_same_weights, train
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,9 @@ def node(run, port: int, rank: int, *sets: str, timeout_s: int = 60) -> subproce
         *sets,
     ):
         argv += ["--set", s]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
 
 
 def test_two_nodes_equal_one_node_with_two_processes(tmp_path):

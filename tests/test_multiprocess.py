@@ -84,7 +84,7 @@ def test_two_ranks_equal_one_rank(tmp_path, tmp_path_factory, strategy, extra):
         two, "train.per_device_batch=8", "launch.nproc_per_node=2", f"placement.strategy={strategy}", *extra
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "2 policy rank(s)" in p.stdout
+    assert "2 policy ranks" in p.stdout
     assert sorted(x.name for x in (two / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]
     assert p.stdout.count("step 3/3") == 1  # only rank 0 prints progress
     assert_moved(one)
@@ -182,6 +182,6 @@ def test_note_001_layout_runs_on_cpu(tmp_path):
     ]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "2 policy rank(s) on cpu process [0, 1]; reference on scorer cpu process 2" in p.stdout
+    assert "2 policy ranks on cpu processes [0, 1]; reference on scorer cpu process 2" in p.stdout
     assert sorted(x.name for x in (run / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log", "rank2.log"]
     assert (run / "final" / "model.safetensors").is_file()

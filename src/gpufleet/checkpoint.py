@@ -48,6 +48,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def readable_by_all(folder: Path) -> None:
+    """Give every file in `folder` the mode a plain `open()` would (0644 under the usual umask 022):
+    safetensors writes 0600, which a serving account on a shared cluster cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
 def _slow_hook() -> None:
     """Test-only: GPUFLEET_TEST_SLOW_SAVE=<seconds> pauses between files, to land kills mid-write."""
     delay = float(os.environ.get("GPUFLEET_TEST_SLOW_SAVE", "0") or 0)
@@ -166,6 +176,7 @@ def save(
         (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
         state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+        readable_by_all(tmp)
         for f in tmp.iterdir():
             _fsync_file(f)
         _fsync_dir(tmp)
@@ -300,4 +311,5 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
     for f in src.iterdir():
         if f.is_file() and f.name not in skip and not f.name.startswith(("rng-rank", "batch-rank")):
             shutil.copy2(f, to / f.name)
+    readable_by_all(to)
     return src

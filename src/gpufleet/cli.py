@@ -2,7 +2,9 @@
 
     gpufleet check JOB [--set s.f=v ...] [--gpus SPEC]     every problem at once; exit 2 if any error
     gpufleet config JOB [--set ...] [--format table|yaml|json]   resolved job with the source of each value
-    gpufleet train JOB [--set ...]                         train (one process, or torchrun for N)
+    gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
+    gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
+    gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
 """
@@ -56,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     c = job_verb(
         "train",
         "check the job, then train it and save the model, metrics and samples",
-        "auto (detect) or cpu: run on the CPU, each placement device id becoming a CPU process",
+        "auto (detect) or cpu (each placement device id becomes a CPU process); a what-if spec such as 4x24GB only with --print-launch (ask `plan` or `check` whether it fits)",
     )
     c.add_argument("--print-launch", action="store_true", help="print the torchrun command per node and exit")
     c.add_argument(
@@ -125,4 +127,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except KeyboardInterrupt:
         print("gpufleet: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gpufleet config JOB | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     raise AssertionError(f"unhandled verb {args.verb}")  # pragma: no cover

@@ -8,10 +8,12 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
+from gpufleet.config.batch import batch_note
 from gpufleet.config.load import Resolved, dump_job, load_job
 from gpufleet.config.problems import Problem, format_value
 from gpufleet.config.schema import SECTIONS
 from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.text import plural
 
 
 def render_problems(problems: list[Problem]) -> str:
@@ -29,7 +31,7 @@ def summary(problems: list[Problem]) -> str:
 
 def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
     """`gpufleet check`: print every problem with its fix; exit 2 when any is an error."""
-    from gpufleet.config.checks import generation_batch, run_checks
+    from gpufleet.config.checks import run_checks
     from gpufleet.hardware import resolve_hardware
 
     hw = resolve_hardware(gpus, env)
@@ -37,7 +39,7 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> i
     problems, ctx = run_checks(r, hw, env)
     print(f"gpufleet check {job}")
     print(f"  hardware: {hw.describe()}")
-    print(f"  world:    {ctx.topo.describe()}; {ctx.topo.world_size} process(es)")
+    print(f"  world:    {ctx.topo.describe()}; {plural(ctx.topo.world_size, 'process', 'processes')}")
     m = ctx.model
     if m is not None:
         print(
@@ -45,12 +47,16 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> i
             f"{m.num_key_value_heads} KV heads, {m.max_position_embeddings} positions)"
         )
     t, g = r.job.train, r.job.algorithm.num_generations
-    total = generation_batch(ctx)
+    total = r.job.generation_batch(ctx.topo.policy_ranks)
+    accum = max(t.per_device_batch // max(t.micro_batch or 1, 1), 1)
     print(
-        f"  batch:    generation batch {total} = {t.per_device_batch} per device x {ctx.topo.policy_ranks} "
-        f"policy ranks x {t.steps_per_generation} steps; {g} generations per prompt; "
-        f"micro-batch {t.micro_batch} ({max(t.per_device_batch // max(t.micro_batch or 1, 1), 1)} accumulation steps)"
+        f"  batch:    generation batch {total} = {t.per_device_batch} per device x "
+        f"{plural(ctx.topo.policy_ranks, 'policy rank')} x {plural(t.steps_per_generation, 'step')}; "
+        f"{g} generations per prompt; micro-batch {t.micro_batch} ({plural(accum, 'accumulation step')})"
     )
+    note = batch_note(r, ctx.topo.policy_ranks)
+    if note:
+        print(f"  {note}")
     if problems:
         print(render_problems(problems))
     print(summary(problems))
@@ -79,17 +85,24 @@ def show_config(job: str, sets: Sequence[str], fmt: str, env: Mapping[str, str])
 
 
 def render_yaml(r: Resolved) -> str:
-    """A valid job file of the resolved values, each line commented with its source."""
+    """A valid job file that behaves as it reads: the values a layer set (file, env, flag) as YAML, each
+    with its source; defaults and values derived from them (presets, micro_batch) only as comments, so
+    that editing `algorithm.name` in the output re-derives its preset as it would in the original."""
     data = dump_job(r)
     lines = [
-        f"# resolved by gpufleet config from {r.job_path}" if r.job_path else "# resolved by gpufleet config"
+        f"# resolved by gpufleet config from {r.job_path}" if r.job_path else "# resolved by gpufleet config",
+        "# '#   field: value' lines are defaults or derived values: uncomment one to pin it.",
     ]
     for section in SECTIONS:
         lines.append(f"{section}:")
         for name, value in data[section].items():
             text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
             text = text.removesuffix("\n...").removesuffix("...").strip()
-            lines.append(f"  {name}: {text}  # {r.source(f'{section}.{name}')}")
+            src = r.source(f"{section}.{name}")
+            if src.kind in ("file", "env", "flag"):
+                lines.append(f"  {name}: {text}  # {src}")
+            else:
+                lines.append(f"  #   {name}: {text}  # {src}")
     return "\n".join(lines)
 
 

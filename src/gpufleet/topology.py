@@ -5,16 +5,19 @@ are either colocated (a copy inside every policy rank) or dedicated: each device
 gets one scorer rank that holds every role placed on that id. On the CPU, device ids name CPU
 processes, so a GPU layout runs unchanged (slowly) on a laptop.
 
-`resolve_topology` never raises: what does not add up becomes a Problem naming every factor.
+`resolve_topology` never raises: what does not add up becomes a Problem naming every factor. It also
+derives train.per_device_batch from train.global_batch once the number of policy ranks is known.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpufleet.config.batch import apply_global_batch
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import Problem
 from gpufleet.hardware import Hardware
+from gpufleet.text import plural
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,15 @@ class Topology:
 
     def describe(self) -> str:
         unit = "cpu process" if self.cpu else "device"
-        text = f"{self.policy_ranks} policy rank(s) on {unit} {list(self.policy_devices)}"
+        ids = list(self.policy_devices)
+        text = (
+            f"{plural(self.policy_ranks, 'policy rank')} on {unit}{'es' if self.cpu and len(ids) > 1 else ''}"
+        )
+        text = f"{text}{'s' if not self.cpu and len(ids) > 1 else ''} {ids}"
+        if self.nnodes > 1:
+            text += f" of each of {self.nnodes} nodes"
         for dev, roles in self.scorer_devices:
             text += f"; {'+'.join(roles)} on scorer {unit} {dev}"
-        if self.nnodes > 1:
-            text += f"; per node, x {self.nnodes} nodes"
         return text
 
 
@@ -190,6 +197,7 @@ def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]
                 f"fine for testing; for speed use at most {hw.cpu_count} processes.",
             )
         )
+    problems += apply_global_batch(r, topo.policy_ranks)  # per_device_batch follows the rank count
     return topo, problems
 
 

@@ -118,14 +118,14 @@ def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict])
     if choices and isinstance(value, str):
         close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
         if close:
-            fix = f"did you mean {close[0]!r}? ({_how(path, close[0], src)})"
+            fix = f"did you mean {close[0]!r}? {_how(path, close[0], src)}"
     if not fix:
         default = info.get_default(call_default_factory=True)
         allowed = " or ".join(accepts) or "a valid value"
         if default is None:
             fix = f"use {allowed}, or remove it to leave it unset (the default)"
         else:
-            fix = f"use {allowed}; the default is {format_value(default)} ({_how(path, default, src)})"
+            fix = f"use {allowed}, e.g. the default: {_how(path, default, src)}"
     return Problem("error", [FieldRef(path, value, src)], msg + ".", fix)
 
 
@@ -148,7 +148,7 @@ def _how(path: str, value: Any, src: Source) -> str:
     if src.kind == "env":
         return f"{src.detail}={text}"
     if src.kind == "file":
-        return f"in {src.detail}: {path.split('.', 1)[1]}: {format_value(value)}"
+        return f"write `{path.split('.', 1)[1]}: {format_value(value)}` at {src.detail}"
     return f"--set {path}={text}"
 
 

@@ -146,6 +146,11 @@ class TrainSection(Section):
     per_device_batch: int = Field(8, ge=1)
     """Completions per policy rank per optimizer step."""
 
+    global_batch: int | None = Field(None, ge=1)
+    """Completions per optimizer step over all policy ranks, kept whatever the number of ranks: set it
+    and per_device_batch is derived as global_batch / policy ranks (micro_batch, when unset, follows).
+    Unset: per_device_batch x policy ranks, which grows with the rank count."""
+
     micro_batch: int | None = Field(None, ge=1)
     """Completions per forward/backward pass; gradient accumulation makes up the rest.
     Unset: = per_device_batch (no accumulation)."""

@@ -26,7 +26,7 @@ def train_command(
     force: bool = False,
 ) -> int:
     """Check, prepare the run directory, train (in-process or torchrun), say where the results are."""
-    hw = _hardware_here(gpus, env)
+    hw = resolve_hardware(gpus, env) if print_launch else _hardware_here(gpus, env)
     r, problems, ctx = _checked(job, sets, hw, env, force)
     if any(p.severity == "error" for p in problems):
         print(render_problems(problems), file=sys.stderr)
@@ -66,7 +66,8 @@ def train_command(
 
 
 def _hardware_here(gpus: str, env: Mapping[str, str]):
-    """`train` runs on the hardware that is here: `auto` (detect) or `cpu`; a what-if spec is refused."""
+    """`train` runs on the hardware that is here: `auto` (detect) or `cpu`; a what-if spec is refused
+    (it is fine with --print-launch, which shows the commands for that hardware and runs nothing)."""
     if gpus.strip().lower() not in ("auto", "cpu"):
         here = resolve_hardware("auto", env)
         raise UserError(

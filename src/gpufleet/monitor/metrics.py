@@ -50,7 +50,7 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done else math.inf
         width = len(str(self.total))
         return (
-            f"step {step:>{width}}/{self.total}  reward {m['reward']:.3f} ± {m['reward_std']:.3f}  "
+            f"step {step:>{width}}/{self.total}  reward {m['reward']:.3f} (sd {m['reward_std']:.3f})  "
             f"kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}  loss {m['loss']:+.4f}  "
             f"{m['step_time']:.2f}s/step  elapsed {_fmt_time(elapsed)}  eta {_fmt_time(eta)}"
         )

@@ -168,6 +168,7 @@ def save_final(p, folder: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     p.policy.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     p.tokenizer.save_pretrained(tmp)
+    checkpoint.readable_by_all(tmp)
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

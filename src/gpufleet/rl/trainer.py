@@ -290,7 +290,7 @@ def train(job: Job, out_dir: Path, rt: Runtime | None = None, log=print) -> dict
     t, a, o = job.train, job.algorithm, job.output
     ckpt = resume.start_point(job, out_dir, rt)
     if ckpt is not None:
-        changes = resume.check(ckpt, job, t.per_device_batch * rt.policy_size)
+        resume.check(ckpt, job, t.per_device_batch * rt.policy_size)
     p = build(job, rt, weights=ckpt)
     opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device)
@@ -299,10 +299,8 @@ def train(job: Job, out_dir: Path, rt: Runtime | None = None, log=print) -> dict
     if ckpt is not None:
         start, scored = resume.restore(p, opt, sched, ckpt, out_dir)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        log(
-            f"resuming from {ckpt} at step {start} (attempt {attempt})"
-            + (f"; changed since then: {'; '.join(changes)}" if changes else "")
-        )
+        if attempt != "0":  # the launcher announced the first start; a torchrun restart is news
+            log(f"restart {attempt}: resuming from {ckpt} at step {start}")
     job_yaml = (
         (out_dir / "job.yaml").read_text(encoding="utf-8")
         if (out_dir / "job.yaml").exists()
