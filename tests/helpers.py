@@ -32,3 +32,26 @@ def run_process(*args: str, cwd, env_extra=None, timeout: int = 300):
         cwd=cwd,
         timeout=timeout,
     )
+
+
+def console_script() -> str:
+    """The installed `gpufleet` command (the venv's console script), as a user runs it."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    here = Path(sys.executable).parent / "gpufleet"
+    return str(here) if here.exists() else (shutil.which("gpufleet") or "gpufleet")
+
+
+def run_user(*args: str, cwd, env_extra=None, timeout: int = 300):
+    """The installed `gpufleet ARGS` from a user's folder (cwd), with no test paths on PYTHONPATH."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
+    env.pop("PYTHONPATH", None)
+    env.update(env_extra or {})
+    return subprocess.run(
+        [console_script(), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )

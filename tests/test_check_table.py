@@ -603,7 +603,7 @@ def test_good_multi_gpu_layout(workdir, capsys):
     )
     code, out = run_cli(capsys, ["check", "job.yaml", "--gpus", "3x16GB"])
     assert code == 0, out
-    assert "reference on scorer device 2" in out and "3 process(es)" in out
+    assert "reference on scorer device 2" in out and "3 processes" in out
 
 
 def test_shared_device_declared(workdir, capsys):

@@ -1,7 +1,7 @@
 """gpufleet command line: parse, then call one function per verb.
 
     gpufleet check JOB [--set s.f=v ...] [--gpus SPEC]     every problem at once; exit 2 if any error
-    gpufleet config JOB [--set ...] [--format table|yaml|json]   resolved job with the source of each value
+    gpufleet config JOB [--set ...] [--format table|yaml|json] [--explain]   resolved job, source of each value
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     c = job_verb("config", "print the resolved job and where each value came from", "")
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
+    c.add_argument(
+        "--explain", action="store_true", help="with the table: each field's documentation under it"
+    )
     c = job_verb(
         "plan",
         "predict the memory of every device; which role goes where; the largest that fits",
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args.verb == "config":
             from gpufleet.commands import show_config
 
-            return show_config(args.job, args.sets, args.format, env)
+            return show_config(args.job, args.sets, args.format, env, explain=args.explain)
         if args.verb == "plan":
             from gpufleet.plan.command import plan_command
 

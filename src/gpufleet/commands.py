@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import yaml
@@ -11,7 +12,7 @@ import yaml
 from gpufleet.config.batch import batch_note
 from gpufleet.config.load import Resolved, dump_job, load_job
 from gpufleet.config.problems import Problem, format_value
-from gpufleet.config.schema import SECTIONS
+from gpufleet.config.schema import SECTIONS, field_doc
 from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.text import plural
 
@@ -63,7 +64,9 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> i
     return EXIT_USER_ERROR if any(p.severity == "error" for p in problems) else 0
 
 
-def show_config(job: str, sets: Sequence[str], fmt: str, env: Mapping[str, str]) -> int:
+def show_config(
+    job: str, sets: Sequence[str], fmt: str, env: Mapping[str, str], explain: bool = False
+) -> int:
     """`gpufleet config`: the resolved job with the source of every value."""
     r = load_job(job, sets, env)
     if fmt == "json":
@@ -76,7 +79,7 @@ def show_config(job: str, sets: Sequence[str], fmt: str, env: Mapping[str, str])
     elif fmt == "yaml":
         print(render_yaml(r))
     else:
-        print(render_table(r))
+        print(render_table(r, explain))
     if r.problems:
         print(render_problems(r.problems), file=sys.stderr)
         print(summary(r.problems) + " (values above fell back to a lower layer)", file=sys.stderr)
@@ -106,7 +109,7 @@ def render_yaml(r: Resolved) -> str:
     return "\n".join(lines)
 
 
-def render_table(r: Resolved) -> str:
+def render_table(r: Resolved, explain: bool = False) -> str:
     data = dump_job(r)
     rows = [
         (f"{s}.{f}", format_value(v), str(r.source(f"{s}.{f}")))
@@ -116,5 +119,8 @@ def render_table(r: Resolved) -> str:
     w0 = max(len(a) for a, _, _ in rows)
     w1 = min(max(len(b) for _, b, _ in rows), 40)
     out = [f"{'field'.ljust(w0)}  {'value'.ljust(w1)}  source", "-" * (w0 + w1 + 12)]
-    out += [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows]
+    for a, b, c in rows:
+        out.append(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}")
+        if explain:
+            out += [f"    {line}" for line in textwrap.wrap(field_doc(a), 96)] + [""]
     return "\n".join(out)

@@ -19,15 +19,50 @@ from gpufleet.config.problems import Problem
 from gpufleet.hardware import Hardware
 from gpufleet.text import plural
 
+ROLES = ("reference", "reward")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one global rank runs and what it does."""
+
+    rank: int
+    node: int
+    local: int
+    role: str  # "policy" or "scorer"
+    device: int
+    roles: tuple[str, ...] = ()  # for a scorer: the models it holds
+
 
 @dataclass(frozen=True)
 class Topology:
+    """The world of one job. It checks itself when built (as torchtitan's ParallelDims): a layout that
+    does not add up raises with every factor named; job-level mistakes are Problems from resolve_topology."""
+
     nnodes: int
     policy_devices: tuple[int, ...]
     """Device ids of the policy ranks on each node, in rank order."""
     scorer_devices: tuple[tuple[int, tuple[str, ...]], ...]
     """(device id, roles) of each dedicated scorer rank on each node."""
     cpu: bool
+
+    def __post_init__(self) -> None:
+        bad = []
+        if self.nnodes < 1:
+            bad.append(f"nnodes {self.nnodes} < 1")
+        if len(set(self.policy_devices)) != len(self.policy_devices):
+            bad.append(f"policy devices {list(self.policy_devices)} repeat an id")
+        ids = [d for d, _ in self.scorer_devices]
+        if len(set(ids)) != len(ids):
+            bad.append(f"scorer devices {ids} repeat an id")
+        for d, roles in self.scorer_devices:
+            if not roles or not set(roles) <= set(ROLES):
+                bad.append(f"scorer device {d} holds {list(roles)} (roles: {', '.join(ROLES)})")
+        if bad:
+            raise ValueError(
+                f"inconsistent topology: {'; '.join(bad)} (nnodes {self.nnodes}, policy "
+                f"{list(self.policy_devices)}, scorers {list(self.scorer_devices)})"
+            )
 
     @property
     def nproc_per_node(self) -> int:
@@ -44,13 +79,34 @@ class Topology:
     def dedicated_roles(self) -> set[str]:
         return {role for _, roles in self.scorer_devices for role in roles}
 
+    def places(self) -> list[RankPlace]:
+        """Every global rank in order: on each node the policy ranks first, then the scorer ranks."""
+        out = []
+        for n in range(self.nnodes):
+            base = n * self.nproc_per_node
+            out += [RankPlace(base + i, n, i, "policy", d) for i, d in enumerate(self.policy_devices)]
+            first = base + len(self.policy_devices)
+            out += [
+                RankPlace(first + s, n, len(self.policy_devices) + s, "scorer", d, tuple(roles))
+                for s, (d, roles) in enumerate(self.scorer_devices)
+            ]
+        return out
+
+    def place(self, rank: int, world_size: int) -> RankPlace:
+        """This rank's place; the world torchrun started must be the one the job asks for."""
+        if world_size not in (1, self.world_size) or not 0 <= rank < max(world_size, 1):
+            raise RuntimeError(
+                f"rank {rank} of a world of {world_size}, but the job's layout needs {self.world_size} "
+                f"processes ({self.nnodes} node(s) x {len(self.policy_devices)} policy + "
+                f"{len(self.scorer_devices)} scorer)"
+            )
+        return self.places()[rank]
+
     def describe(self) -> str:
         unit = "cpu process" if self.cpu else "device"
         ids = list(self.policy_devices)
-        text = (
-            f"{plural(self.policy_ranks, 'policy rank')} on {unit}{'es' if self.cpu and len(ids) > 1 else ''}"
-        )
-        text = f"{text}{'s' if not self.cpu and len(ids) > 1 else ''} {ids}"
+        many = len(ids) > 1
+        text = f"{plural(self.policy_ranks, 'policy rank')} on {unit}{('es' if self.cpu else 's') if many else ''} {ids}"
         if self.nnodes > 1:
             text += f" of each of {self.nnodes} nodes"
         for dev, roles in self.scorer_devices:
@@ -63,76 +119,86 @@ def _ids(value) -> list[int] | None:
 
 
 def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]]:
-    job, problems = r.job, []
-    pl = job.placement
-
-    # Dedicated roles. A role with nothing to hold gets no rank (the checks warn about it).
-    used = {"reference": job.algorithm.beta > 0, "reward": job.reward.model is not None}
-    by_device: dict[int, list[str]] = {}
-    for role in ("reference", "reward"):
-        ids = _ids(getattr(pl, role))
-        if ids and used[role]:
-            for dev in dict.fromkeys(ids):
-                by_device.setdefault(dev, []).append(role)
+    """The job's world on this hardware, and every problem with it (see the module docstring)."""
+    problems: list[Problem] = []
+    by_device = _dedicated(r)
     scorer = tuple((d, tuple(roles)) for d, roles in sorted(by_device.items()))
-
     # Devices that exist (GPU) or that the job lists; on the CPU without a list, any id is a process.
     present = list(range(len(hw.devices))) if not hw.is_cpu else None
-    allowed = _ids(pl.devices)
+    allowed = _ids(r.job.placement.devices)
     if allowed is not None and present is not None:
         missing = [d for d in allowed if d not in present]
         if missing:
             problems.append(_missing(r, "placement.devices", missing, hw))
     if allowed is None:
         allowed = present
+    policy, nproc = _policy_devices(r, hw, by_device, allowed, present, problems)
+    _check_devices(r, hw, policy, by_device, allowed, problems)
+    topo = Topology(r.job.launch.nnodes, tuple(policy), scorer, hw.is_cpu)
+    _check_processes(r, hw, topo, nproc, by_device, present, problems)
+    problems += apply_global_batch(r, topo.policy_ranks)  # per_device_batch follows the rank count
+    return topo, problems
 
-    nproc = job.launch.nproc_per_node
+
+def _dedicated(r: Resolved) -> dict[int, list[str]]:
+    """Device id -> the roles placed on it. A role with nothing to hold gets no rank (checks warn)."""
+    used, pl = r.job.roles_used(), r.job.placement
+    by_device: dict[int, list[str]] = {}
+    for role in ROLES:
+        ids = _ids(getattr(pl, role))
+        if ids and used[role]:
+            for dev in dict.fromkeys(ids):
+                by_device.setdefault(dev, []).append(role)
+    return by_device
+
+
+def _policy_devices(r, hw, by_device, allowed, present, problems) -> tuple[list[int], int | str]:
+    """The policy's device ids (given, or the free ones up to nproc_per_node), each once."""
+    pl, nproc = r.job.placement, r.job.launch.nproc_per_node
     policy = _ids(pl.policy)
-    if policy is None:
-        pool = (
-            allowed
-            if allowed is not None
-            else list(range(max(nproc if nproc != "auto" else 1, 1) + len(scorer)))
-        )
-        pool = [d for d in pool if pl.allow_shared_devices or d not in by_device]
-        want = (nproc - len(scorer)) if nproc != "auto" else len(pool)
-        if want > len(pool) and present is not None:
-            problems.append(
-                Problem(
-                    "error",
-                    [r.ref("launch.nproc_per_node"), r.ref("placement.devices")],
-                    f"launch.nproc_per_node {nproc} needs {want} policy devices + {len(scorer)} scorer, "
-                    f"but {hw.describe()} leaves {len(pool)} for the policy.",
-                    f"use at most {len(pool) + len(scorer)} devices: --set launch.nproc_per_node={len(pool) + len(scorer)}, "
-                    "or run on more GPUs.",
-                )
-            )
-            nproc = "auto"
-        policy = pool[: max(want, 0)]
-    else:
+    if policy is not None:
         dup = sorted({d for d in policy if policy.count(d) > 1})
         if dup:
+            once = ",".join(map(str, dict.fromkeys(policy)))
             problems.append(
                 Problem(
                     "error",
                     [r.ref("placement.policy")],
                     f"device {dup[0]} holds two policy ranks; each policy rank needs its own device.",
-                    f"list each device once, e.g. --set placement.policy={','.join(map(str, dict.fromkeys(policy)))}",
+                    f"list each device once, e.g. --set placement.policy={once}",
                 )
             )
-            policy = list(dict.fromkeys(policy))
+        return list(dict.fromkeys(policy)), nproc
+    n_scorer = len(by_device)
+    pool = allowed if allowed is not None else list(range(max(nproc if nproc != "auto" else 1, 1) + n_scorer))
+    pool = [d for d in pool if pl.allow_shared_devices or d not in by_device]
+    want = (nproc - n_scorer) if nproc != "auto" else len(pool)
+    if want > len(pool) and present is not None:
+        problems.append(
+            Problem(
+                "error",
+                [r.ref("launch.nproc_per_node"), r.ref("placement.devices")],
+                f"launch.nproc_per_node {nproc} needs {want} policy devices + {n_scorer} scorer, "
+                f"but {hw.describe()} leaves {len(pool)} for the policy.",
+                f"use at most {len(pool) + n_scorer} devices: --set launch.nproc_per_node={len(pool) + n_scorer}, "
+                "or run on more GPUs.",
+            )
+        )
+        nproc = "auto"
+    return pool[: max(want, 0)], nproc
 
+
+def _check_devices(r, hw, policy, by_device, allowed, problems) -> None:
+    """Every named device is allowed; a device shared by policy and scorer must be declared."""
+    pl = r.job.placement
+    dedicated_roles = {x for roles in by_device.values() for x in roles}
     for field, ids in (
         ("placement.policy", policy),
-        *((f"placement.{d}", _ids(getattr(pl, d)) or []) for d in ("reference", "reward")),
+        *((f"placement.{d}", _ids(getattr(pl, d)) or []) for d in ROLES),
     ):
-        if allowed is not None:
-            missing = [d for d in ids if d not in allowed]
-            if missing and (
-                field == "placement.policy" or field.split(".")[1] in {x for _, rs in scorer for x in rs}
-            ):
-                problems.append(_missing(r, field, missing, hw, allowed))
-
+        missing = [d for d in ids if allowed is not None and d not in allowed]
+        if missing and (field == "placement.policy" or field.split(".")[1] in dedicated_roles):
+            problems.append(_missing(r, field, missing, hw, allowed))
     shared = sorted(set(policy) & set(by_device))
     if shared and not pl.allow_shared_devices:
         roles = "+".join(dict.fromkeys(x for d in shared for x in by_device[d]))
@@ -150,7 +216,6 @@ def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]
                 ),
             )
         )
-
     if not policy:
         problems.append(
             Problem(
@@ -161,9 +226,12 @@ def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]
             )
         )
 
-    topo = Topology(job.launch.nnodes, tuple(policy), scorer, hw.is_cpu)
+
+def _check_processes(r, hw, topo: Topology, nproc, by_device, present, problems) -> None:
+    """nproc_per_node agrees with the placement; enough devices (GPU) or cores (CPU) for the processes."""
+    policy = topo.policy_devices
     if nproc != "auto" and nproc != topo.nproc_per_node:
-        parts = f"{len(policy)} policy + {len(scorer)} scorer"
+        parts = f"{len(policy)} policy + {len(topo.scorer_devices)} scorer"
         problems.append(
             Problem(
                 "error",
@@ -197,8 +265,6 @@ def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]
                 f"fine for testing; for speed use at most {hw.cpu_count} processes.",
             )
         )
-    problems += apply_global_batch(r, topo.policy_ranks)  # per_device_batch follows the rank count
-    return topo, problems
 
 
 def _missing(

@@ -49,10 +49,6 @@ class Resolved:
     def ref(self, path: str) -> FieldRef:
         return FieldRef(path, self.value(path), self.source(path))
 
-    def how_to_set(self, path: str, value: Any) -> str:
-        """The override to suggest: a flag (it wins over every other layer)."""
-        return f"--set {path}={format_value(value).replace(' ', '')}"
-
 
 def load_job(
     job_path: str | os.PathLike | None,

@@ -138,9 +138,6 @@ class RolloutSection(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel degree of the rollout engine (vllm); must divide the attention and KV heads."""
 
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Fraction of each rollout GPU's memory the engine may reserve (vllm)."""
-
 
 class TrainSection(Section):
     per_device_batch: int = Field(8, ge=1)
