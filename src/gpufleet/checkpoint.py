@@ -18,6 +18,8 @@ complete, never a `latest` naming a partial one. Loading uses safetensors and
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -162,24 +164,25 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(rt)
-    torch.save(rng_state(), tmp / f"rng-rank{rt.rank}.pt")
-    _fsync_file(tmp / f"rng-rank{rt.rank}.pt")
-    if batch is not None:
-        torch.save(batch, tmp / f"batch-rank{rt.rank}.pt")
-        _fsync_file(tmp / f"batch-rank{rt.rank}.pt")
-    if rt.is_main:
-        policy.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        _slow_hook()
-        torch.save(optim_state, tmp / "optimizer.pt")
-        _slow_hook()
-        (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
-        state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
-        readable_by_all(tmp)
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+    with _no_partial(tmp, run_dir, rt):
+        torch.save(rng_state(), tmp / f"rng-rank{rt.rank}.pt")
+        _fsync_file(tmp / f"rng-rank{rt.rank}.pt")
+        if batch is not None:
+            torch.save(batch, tmp / f"batch-rank{rt.rank}.pt")
+            _fsync_file(tmp / f"batch-rank{rt.rank}.pt")
+        if rt.is_main:
+            policy.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            _slow_hook()
+            torch.save(optim_state, tmp / "optimizer.pt")
+            _slow_hook()
+            (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
+            state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+            readable_by_all(tmp)
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            _fsync_dir(tmp)
     _barrier(rt)
     if rt.is_main:
         if final.exists():  # a checkpoint of this step from an earlier attempt: replace it whole
@@ -196,6 +199,46 @@ def save(
     if rt.distributed and dist.is_initialized():
         _barrier(rt)
     return final
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC, however the writer reports it (torch.save's zip writer says "unexpected pos")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
+
+
+@contextlib.contextmanager
+def _no_partial(tmp: Path, run_dir: Path, rt):
+    """A failed write leaves no partial checkpoint behind (it would keep a full disk full); a full disk
+    becomes one line naming the device, the folder, what a checkpoint needs and what is free."""
+    try:
+        yield
+    except BaseException as e:
+        written = sum(f.stat().st_size for f in tmp.glob("*") if f.is_file()) if tmp.exists() else 0
+        if rt.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError)) or not _disk_full(e):
+            raise
+        prev = latest(run_dir)
+        need = sum(f.stat().st_size for f in prev.iterdir() if f.is_file()) if prev else written
+        free = shutil.disk_usage(run_dir).free
+        raise UserError(
+            f"no space left on {_device_of(run_dir)} writing {tmp} (a checkpoint needs ~{need / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB free); the partial checkpoint was removed"
+            + (f" and {prev} is intact." if prev else "."),
+            field="output.dir",
+            fix="free space there (or lower output.keep_last), then run the same command again to resume",
+        ) from None
+
+
+def _device_of(path: Path) -> str:
+    """The mount point holding `path` (what `df` would name)."""
+    p = path.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p)
 
 
 def _barrier(rt) -> None:

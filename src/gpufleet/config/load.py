@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,25 +217,83 @@ def _add(layer, problems, section: Any, key: Any, value: Any, src: Source) -> No
         layer[f"{section_s}.{key_s}"] = (value, src)
 
 
-def _file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+MAX_JOB_FILE_BYTES = 1 << 20
+"""A job file is a few dozen lines; anything over 1 MiB is not one (and would be slow to parse)."""
+
+
+def _read_job_text(path: Path) -> str:
+    """The job file's text: a regular UTF-8 file of at most MAX_JOB_FILE_BYTES, else a UserError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        st = path.stat()
     except FileNotFoundError:
         raise UserError(f"job file {str(path)!r} does not exist.", fix="check the path.") from None
-    except IsADirectoryError:
-        raise UserError(f"job file {str(path)!r} is a directory.", fix="name the .yaml file.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read job file {str(path)!r}: {e}.", fix="save it as UTF-8 text.") from None
+    except OSError as e:
+        raise UserError(f"cannot read job file {str(path)!r}: {e.strerror}.", fix="check the path.") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"job file {str(path)!r} is a directory.", fix="name the .yaml file.")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(
+            f"job file {str(path)!r} is not a regular file (a pipe or device).",
+            fix="save the job as a .yaml file.",
+        )
+    if st.st_size > MAX_JOB_FILE_BYTES:
+        raise UserError(
+            f"job file {str(path)!r} is {st.st_size / 2**20:.1f} MiB; a job file is at most 1 MiB.",
+            fix="is this the right file? a job is a few dozen lines of YAML",
+        )
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}).", fix="save it as UTF-8."
+        ) from None
+    except OSError as e:
+        raise UserError(
+            f"cannot read job file {str(path)!r}: {e.strerror}.", fix="check its permissions."
+        ) from None
+
+
+def _parse_yaml(path: Path, text: str):
+    """(node tree, data) of the job file; syntax errors, tabs and duplicate keys as one UserError."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        _no_duplicate_keys(path, node)
+        return node, yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "'\\t'" in reason or "\t" in reason:
+            raise UserError(
+                f"{where}: a tab in the indentation; YAML indents with spaces.",
+                fix="replace the tab with spaces",
+            ) from None
         raise UserError(f"{where}: not valid YAML ({reason}).", fix="fix the YAML syntax there.") from None
     except (ValueError, TypeError, RecursionError) as e:
         raise UserError(f"{path}: not a readable YAML job ({e}).", fix="fix the YAML there.") from None
+
+
+def _no_duplicate_keys(path: Path, node, depth: int = 0) -> None:
+    """YAML lets a repeated key silently replace the first; in a job file that loses settings."""
+    if not isinstance(node, yaml.MappingNode) or depth > 2:
+        return
+    seen: dict[str, int] = {}
+    for knode, vnode in node.value:
+        if isinstance(knode, yaml.ScalarNode):
+            line = knode.start_mark.line + 1
+            if knode.value in seen:
+                raise UserError(
+                    f"{path}:{line}: `{knode.value}:` appears twice (lines {seen[knode.value]} and {line}); "
+                    "the second would silently replace the first.",
+                    fix=f"merge the two `{knode.value}:` blocks into one",
+                )
+            seen[knode.value] = line
+        _no_duplicate_keys(path, vnode, depth + 1)
+
+
+def _file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    node, data = _parse_yaml(path, _read_job_text(path))
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -41,7 +41,9 @@ RolePlacement = Annotated[
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, docstrings become descriptions."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class ModelSection(Section):
