@@ -55,3 +55,8 @@ def run_user(*args: str, cwd, env_extra=None, timeout: int = 300):
     return subprocess.run(
         [console_script(), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
+
+
+def sets(*values: str) -> list[str]:
+    """`--set a=1 --set b=2` for the given `a=1`, `b=2`."""
+    return [x for v in values for x in ("--set", v)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from helpers import run_user
+from helpers import run_user, sets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,12 +77,7 @@ def test_global_batch_is_said_and_can_be_pinned(tmp_path):
         "train",
         "job.yaml",
         *pinned,
-        "--set",
-        "launch.nproc_per_node=2",
-        "--set",
-        "train.max_steps=2",
-        "--set",
-        "output.dir=run",
+        *sets("launch.nproc_per_node=2", "train.max_steps=2", "output.dir=run"),
         cwd=home,
     )
     assert p.returncode == 0, p.stdout + p.stderr
@@ -107,17 +102,7 @@ def test_lines_read_right(tmp_path):
 
 def test_one_process_run_has_a_log_and_readable_model(tmp_path):
     home = user_folder(tmp_path)
-    p = run_user(
-        "train",
-        "job.yaml",
-        "--gpus",
-        "cpu",
-        "--set",
-        "train.max_steps=2",
-        "--set",
-        "output.dir=run",
-        cwd=home,
-    )
+    p = run_user("train", "job.yaml", "--gpus", "cpu", *sets("train.max_steps=2", "output.dir=run"), cwd=home)
     assert p.returncode == 0, p.stdout + p.stderr
     run = home / "run"
     assert "step 2/2" in (run / "logs" / "rank0.log").read_text()
