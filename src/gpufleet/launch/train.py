@@ -208,13 +208,14 @@ def _in_process(job, out: Path, hw, topo) -> int:
     import torch
 
     from gpufleet.dist import Runtime
+    from gpufleet.launch.worker import rank_log
     from gpufleet.rl.trainer import train
 
     device = torch.device("cpu") if hw.is_cpu else torch.device("cuda", topo.policy_devices[0])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    last = train(job, out, Runtime(device=device))
-    print(f"done: reward {last.get('reward', float('nan')):.3f} at step {int(last.get('step', 0))}")
+    with rank_log(out / "logs", 0, console=True):
+        train(job, out, Runtime(device=device))
     return 0
 
 

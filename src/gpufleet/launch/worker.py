@@ -7,6 +7,7 @@ before exiting non-zero, so the launcher can name the rank and the cause in one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -35,29 +36,34 @@ class _Tee:
         return False
 
 
-def _setup_logs(logs: Path, rank: int):
+@contextlib.contextmanager
+def rank_log(logs: Path, rank: int, *, console: bool):
+    """Write this rank's output to RUN_DIR/logs/rank<R>.log while the block runs. With `console`, the
+    output also goes where it went before (the current sys.stdout/stderr, restored afterwards);
+    without, everything, C-level output included, goes to the file only (torchrun's other ranks)."""
     logs.mkdir(parents=True, exist_ok=True)
-    f = (logs / f"rank{rank}.log").open("a", encoding="utf-8", buffering=1)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    f.write(
-        f"--- rank {rank} start {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {attempt} pid {os.getpid()}\n"
-    )
-    if rank == 0:
-        sys.stdout = _Tee(sys.__stdout__, f)
-        sys.stderr = _Tee(sys.__stderr__, f)
-    else:  # everything, including C-level output, goes to the file only
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        sys.stdout = sys.stderr = f
-    return f
+    with (logs / f"rank{rank}.log").open("a", encoding="utf-8", buffering=1) as f:
+        f.write(
+            f"--- rank {rank} start {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {attempt} pid {os.getpid()}\n"
+        )
+        before = sys.stdout, sys.stderr
+        if console:
+            sys.stdout, sys.stderr = _Tee(before[0], f), _Tee(before[1], f)
+        else:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            sys.stdout = sys.stderr = f
+        try:
+            yield f
+        finally:
+            sys.stdout, sys.stderr = before
 
 
 def run_worker(job_file: str, gpus: str) -> int:
     from gpufleet import dist
     from gpufleet.config.load import load_job
-    from gpufleet.hardware import resolve_hardware
     from gpufleet.launch.torchrun import die_with_parent
-    from gpufleet.topology import resolve_topology
 
     die_with_parent()  # the torchrun agent dies (even by SIGKILL): this rank stops too, no orphan
     r = load_job(job_file, env={})  # the launcher's resolved job: no env/flag layers again
@@ -66,7 +72,15 @@ def run_worker(job_file: str, gpus: str) -> int:
     out = Path(job.output.dir).expanduser()
     logs = out / "logs"
     (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
-    _setup_logs(logs, rank)
+    with rank_log(logs, rank, console=rank == 0):
+        return _run_rank(r, job, out, logs, rank, gpus)
+
+
+def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
+    from gpufleet import dist
+    from gpufleet.hardware import resolve_hardware
+    from gpufleet.topology import resolve_topology
+
     try:
         hw = resolve_hardware(gpus)
         topo, _ = resolve_topology(r, hw)
