@@ -82,7 +82,35 @@ def load_job(
     job = Job(**sections)
     resolved = Resolved(job=job, sources=sources, problems=problems, job_path=path)
     _apply_presets(resolved)
+    if path is not None:
+        _anchor_paths(resolved, path.resolve().parent)
     return resolved
+
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _anchor_paths(resolved: Resolved, base: Path) -> None:
+    """Paths the job file wrote are relative to the job file's folder, not to the working directory
+    (flags and environment values stay relative to the working directory). They become absolute here,
+    so every rank, every message and the run's job.yaml see the same path. A value that names no local
+    file (a hub id like Qwen/Qwen2.5-0.5B) is left alone; `output.dir` follows the working directory."""
+    from gpufleet.imports import anchored
+
+    def local(value: str) -> str:
+        if value.startswith("builtin:") or Path(value).expanduser().is_absolute():
+            return value
+        candidate = (base / value).resolve()
+        explicit = value.startswith(("./", "../", "~")) or value.endswith(_DATA_SUFFIXES)
+        return str(candidate) if candidate.exists() or explicit else value
+
+    job = resolved.job
+    for section, name in (("model", "path"), ("data", "path"), ("reward", "model")):
+        value = getattr(getattr(job, section), name)
+        if value and resolved.source(f"{section}.{name}").kind == "file":
+            setattr(getattr(job, section), name, local(value))
+    if resolved.source("reward.functions").kind == "file":
+        job.reward.functions = [anchored(f, base) if ":" in f else f for f in job.reward.functions]
 
 
 def _validate_section(name, cls, candidates, problems):

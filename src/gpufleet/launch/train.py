@@ -14,6 +14,7 @@ from gpufleet.config.load import load_job
 from gpufleet.config.resources import holds_run
 from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import resolve_hardware
+from gpufleet.imports import pythonpath, roots, use_roots
 
 
 def train_command(
@@ -35,6 +36,7 @@ def train_command(
     for p in problems:
         print(p.render())
     topo, jb = ctx.topo, r.job
+    use_roots(roots(r.job_path))  # the job's own modules (rewards) import from its folder, then cwd
     out = Path(jb.output.dir).expanduser()
     job_file = out / "job.yaml"
     if print_launch:
@@ -55,7 +57,9 @@ def train_command(
         code = (
             _in_process(jb, out, hw, topo)
             if topo.world_size == 1
-            else _torchrun(jb, topo, job_file, out, hw, env)
+            else _torchrun(
+                jb, topo, job_file, out, hw, {**env, "PYTHONPATH": pythonpath(roots(r.job_path), env)}
+            )
         )
     except (KeyboardInterrupt, Interrupted):
         print(_interrupted(out, jb), file=sys.stderr)
