@@ -15,7 +15,7 @@ materialized folder), task `builtin:repeat` (the same prompts in the same order,
 8 completions per step (2 prompts x 4 generations), 32 completion tokens, temperature 1.0, top_p 1,
 top_k 0, beta 0 (no reference model), loss_type grpo, token-level ratio, clip 0.2, group std scaling,
 one optimizer step per generation batch, AdamW with a constant learning rate, max_grad_norm 1.0, the
-same torch thread count (the numbers are those of `--preset speed`; see PRESETS). TRL gets its fastest fair settings: no gradient checkpointing, no bf16, no
+same torch thread count (the numbers are those of `--preset speed`; see measure.PRESETS). TRL gets its fastest fair settings: no gradient checkpointing, no bf16, no
 reporting, no checkpoints, no progress bar, data loader workers 0.
 
 Measured: end-to-end step time (time between consecutive step ends, median after a warm-up), CPU
