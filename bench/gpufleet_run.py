@@ -1,0 +1,88 @@
+"""gpufleet's side of `vs_trl.py`: one training run in this process (started by `vs_trl.py --worker gpufleet`).
+
+The job is built from `--set` overrides only (no job file), at the settings the TRL side uses too; the
+step ends come from the trainer's `log` callback (called once per step with `train.log_every=1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from measure import PROMPT_TOKENS, TEMPERATURE, Preset, StepClock, write_result
+
+
+def job_sets(a: argparse.Namespace, p: Preset, out: Path) -> list[str]:
+    """The job as `--set` overrides: the shared settings of preset `p`, steps, lr and seed from `a`."""
+    return [
+        "model.path=builtin:tiny-qwen2",
+        "model.dtype=float32",
+        "model.gradient_checkpointing=false",
+        "data.path=builtin:repeat",
+        "algorithm.name=grpo",
+        f"algorithm.num_generations={p.generations}",
+        "algorithm.beta=0",
+        "algorithm.loss_type=grpo",
+        "algorithm.importance_level=token",
+        "algorithm.scale_rewards=group",
+        "algorithm.epsilon=0.2",
+        "algorithm.epsilon_high=0.2",
+        "algorithm.num_iterations=1",
+        f"rollout.max_prompt_length={PROMPT_TOKENS}",
+        f"rollout.max_completion_length={p.completion_tokens}",
+        f"rollout.temperature={TEMPERATURE}",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        f"train.per_device_batch={p.batch}",
+        "train.steps_per_generation=1",
+        f"train.learning_rate={a.lr}",
+        "train.lr_scheduler=constant",
+        "train.warmup_steps=0",
+        "train.weight_decay=0.0",
+        "train.max_grad_norm=1.0",
+        f"train.max_steps={a.steps}",
+        f"train.seed={a.seed}",
+        "train.precision=fp32",
+        "train.log_every=1",
+        "train.samples_every=0",
+        f"output.dir={out}",
+        "output.resume=never",
+    ]
+
+
+def run(a: argparse.Namespace, p: Preset) -> None:
+    """Train once with gpufleet and write the result file `a.result` (see measure.write_result)."""
+    clock = StepClock()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from gpufleet.config.load import load_job
+    from gpufleet.rl.trainer import train
+
+    out = Path(a.out)
+    resolved = load_job(None, job_sets(a, p, out), env={})
+    errors = [e for e in resolved.problems if e.severity == "error"]
+    if errors:
+        raise SystemExit("\n".join(e.render() for e in errors))
+    settings = {
+        f"{sec}.{f}": str(v)
+        for sec in ("algorithm", "rollout", "train")
+        for f, v in getattr(resolved.job, sec)
+    }
+    print("[vs_trl] gpufleet job:", json.dumps(settings), flush=True)
+    clock.train(lambda: train(resolved.job, out, log=lambda _line: clock.step_end()))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    own = [r["step_time"] for r in rows]  # the trainer's own time of each step
+    write_result(
+        Path(a.result),
+        clock,
+        own[0],
+        trainer="gpufleet",
+        seed=a.seed,
+        settings=settings,
+        threads=torch.get_num_threads(),
+        inner_step_time=own,
+        reward=[r["reward"] for r in rows],
+        completion_length=[r["completions/mean_length"] for r in rows],
+    )

@@ -1,0 +1,122 @@
+"""What both sides of `vs_trl.py` share: the presets' settings, the clock of one training process, the
+result file each worker writes, and the start-up timings of whole processes.
+
+Both workers (`gpufleet_run.py`, `trl_run.py`) measure the same way: a `StepClock` made first thing in the
+process, `clock.step_end()` at the end of every optimizer step, training run under `clock.train(...)`,
+then `write_result(...)`, which adds the process's peak RSS and CPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPT_TOKENS = 8
+TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Settings shared by both trainers. `speed`: the issue's measurement; `learn`: examples/quickstart.yaml."""
+
+    name: str
+    batch: int  # completions per optimizer step (prompts x generations)
+    generations: int  # completions per prompt
+    completion_tokens: int
+    steps: int  # default of --steps
+    lr: float  # default of --lr
+    every: int  # default of --every
+
+
+PRESETS: dict[str, Preset] = {
+    "speed": Preset("speed", batch=8, generations=4, completion_tokens=32, steps=40, lr=3e-3, every=5),
+    "learn": Preset("learn", batch=128, generations=8, completion_tokens=8, steps=200, lr=3e-3, every=10),
+}
+
+
+def intervals(stamps: list[float], first: float) -> list[float]:
+    """Per-step times from step-end time stamps: the first step's own time, then end-to-end gaps."""
+    return [first] + [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+class StepClock:
+    """Wall and CPU time stamps of one training process, from its start (when the clock is made) on."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.train_start = self.cpu_train_start = self.train_end = float("nan")
+
+    def step_begin(self) -> None:
+        self.begins.append(time.perf_counter())
+
+    def step_end(self) -> None:
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
+
+    def train(self, run: Callable[[], object]) -> None:
+        """Call `run()` (the whole training), recording when it starts and ends."""
+        self.train_start, self.cpu_train_start = time.perf_counter(), time.process_time()
+        run()
+        self.train_end = time.perf_counter()
+
+    def timings(self, first_step_s: float) -> dict[str, float | list[float]]:
+        """Step times (wall: `first_step_s`, the first step's own time, then the gaps between step ends;
+        CPU: the first entry counts from the start of training, so it includes what the trainer builds
+        there: a warm-up step), time to the start of step 1, training time and the whole run's time."""
+        return {
+            "step_time": intervals(self.ends, first_step_s),
+            "cpu_step_time": intervals(self.cpu_ends, self.cpu_ends[0] - self.cpu_train_start),
+            "setup_s": self.ends[0] - first_step_s - self.start,  # imports, model, trainer: until step 1
+            "train_s": self.train_end - self.train_start,
+            "wall_s": self.train_end - self.start,
+        }
+
+
+def write_result(path: Path, clock: StepClock, first_step_s: float, **fields: object) -> None:
+    """Write one run's result: `fields` (trainer, seed, settings, reward, ...), the clock's timings, and this
+    process's peak RSS (`ru_maxrss`) and CPU time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result = {
+        **fields,
+        **clock.timings(first_step_s),
+        "peak_rss_mib": usage.ru_maxrss / 1024,  # Linux: KiB
+        "cpu_s_total": usage.ru_utime + usage.ru_stime,
+    }
+    path.write_text(json.dumps(result))
+
+
+STARTUP_GPUFLEET = "python -m gpufleet --version"
+STARTUP_GPUFLEET_FULL = "python -c 'import gpufleet.rl.trainer'"
+STARTUP_TRL = "python -c 'import trl'"
+STARTUP_TRL_FULL = "python -c 'from trl import GRPOTrainer'"
+STARTUP_PYTHON = "python -c pass"
+STARTUP = {
+    STARTUP_PYTHON: ["-c", "pass"],
+    STARTUP_GPUFLEET: ["-m", "gpufleet", "--version"],
+    "python -c 'import gpufleet'": ["-c", "import gpufleet"],
+    STARTUP_GPUFLEET_FULL: ["-c", "import gpufleet.rl.trainer"],
+    STARTUP_TRL: ["-c", "import trl"],
+    STARTUP_TRL_FULL: ["-c", "from trl import GRPOTrainer"],
+}
+
+
+def measure_startup(runs: int, env: dict[str, str], cwd: Path) -> dict[str, list[float]]:
+    """Wall time of each command as a whole process; the commands are interleaved run by run."""
+    times: dict[str, list[float]] = {k: [] for k in STARTUP}
+    for args in STARTUP.values():  # one untimed run each: warm the page cache and .pyc files
+        subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, check=True)
+    for _ in range(runs):
+        for name, args in STARTUP.items():
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, check=True)
+            times[name].append(time.perf_counter() - t0)
+    return times
