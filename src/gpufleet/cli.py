@@ -5,6 +5,7 @@
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
+    gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] -- CMD ...   anyone's script on N processes
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
 """
@@ -26,9 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
 
-    def job_verb(name: str, help: str, gpus: str) -> argparse.ArgumentParser:
+    def job_verb(name: str, help: str, gpus: str, job_optional: bool = False) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("job", help="the job file (YAML)")
+        sp.add_argument("job", nargs="?" if job_optional else None, help="the job file (YAML)")
         sp.add_argument(
             "--set",
             dest="sets",
@@ -78,6 +79,19 @@ def _parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="checkpoint step (default: the final model, else the newest)"
     )
     e.add_argument("--to", required=True, help="the folder to write (new or empty)")
+    la = job_verb(
+        "launch",
+        "run anyone's training script on N processes (torchrun), its batch and LR scaled from a reference "
+        "recipe; the command follows --",
+        "auto (detect) or cpu; a what-if spec such as 4x24GB only with --dry-run",
+        job_optional=True,
+    )
+    la.add_argument(
+        "--nproc", type=int, default=None, metavar="N", help="processes per node (= launch.nproc_per_node)"
+    )
+    la.add_argument(
+        "--dry-run", action="store_true", help="check, print the scaled recipe and the command; run nothing"
+    )
     return p
 
 
@@ -85,6 +99,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     """Entry point. Returns the exit code (0 ok, 2 user error)."""
     env = os.environ if env is None else env
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []  # `launch ... -- CMD ARGS`
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed a one-line usage error
@@ -114,6 +131,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             from gpufleet.launch.export import export_command
 
             return export_command(args.run_dir, args.step, args.to)
+        if args.verb == "launch":
+            from gpufleet.launch.script import launch_command
+
+            return launch_command(
+                args.job, args.sets, args.gpus, env, command, nproc=args.nproc, dry_run=args.dry_run
+            )
         if args.verb == "train" and args.worker:
             from gpufleet.launch.worker import run_worker
 

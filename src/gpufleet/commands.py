@@ -37,6 +37,10 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> i
 
     hw = resolve_hardware(gpus, env)
     r = load_job(job, sets, env)
+    if r.job.script.command and not r.problems:  # a `gpufleet launch` job: its own checks, nothing runs
+        from gpufleet.launch.script import launch_command
+
+        return launch_command(job, sets, gpus, env, [], dry_run=True)
     problems, ctx = run_checks(r, hw, env)
     print(f"gpufleet check {job}")
     print(f"  hardware: {hw.describe()}")

@@ -288,3 +288,19 @@ def resolve_hardware(spec: str | None, env: Mapping[str, str] | None = None, nvm
     if spec is None or spec.strip().lower() == "auto":
         return detect(env, nvml)
     return parse_gpu_spec(spec)
+
+
+def hardware_here(gpus: str, env: Mapping[str, str], verb: str) -> Hardware:
+    """What `train` / `launch` run on: the hardware that is here, `auto` (detect) or `cpu`. A what-if spec
+    is refused (it is fine with --print-launch / --dry-run, which run nothing)."""
+    if gpus.strip().lower() not in ("auto", "cpu"):
+        from gpufleet.errors import UserError
+
+        here = resolve_hardware("auto", env)
+        raise UserError(
+            f"--gpus {gpus!r}: {verb} runs on the hardware that is here ({here.describe()}), not on a what-if "
+            f"spec; use `gpufleet plan JOB --gpus {gpus}` or `gpufleet check JOB --gpus {gpus}` to ask "
+            "whether it would fit",
+            fix="--gpus auto (detect) or --gpus cpu",
+        )
+    return resolve_hardware(gpus, env)

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
-    """`1 step`, `2 steps` (`many` for irregular plurals: plural(2, "process", "processes"))."""
-    return f"{n} {word if n == 1 else (many or word + 's')}"
+    """`1 step`, `2 steps`, `2 processes` (`many` for irregular plurals)."""
+    regular = word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s")
+    return f"{n} {word if n == 1 else (many or regular)}"

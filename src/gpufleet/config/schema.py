@@ -38,6 +38,18 @@ RolePlacement = Annotated[
 ]
 
 
+def _split_command(value: Any) -> Any:
+    """A command line as one string (split like a shell) or as a list of arguments."""
+    if isinstance(value, str):
+        import shlex
+
+        return shlex.split(value)
+    return value
+
+
+Command = Annotated[list[str], BeforeValidator(_split_command)]
+
+
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, docstrings become descriptions."""
 
@@ -256,6 +268,40 @@ class OutputSection(Section):
     """Checkpoints to keep (older ones are deleted after a newer one is complete)."""
 
 
+class ScriptSection(Section):
+    """`gpufleet launch`: someone else's training script, and the recipe that worked for it."""
+
+    command: Command = Field(default_factory=list)
+    """The script's command line (`python train.py --batch_size {per_device_batch} --lr {learning_rate}`),
+    one string or a list; `gpufleet launch JOB -- CMD ...` gives it on the command line instead.
+    Placeholders: {per_device_batch} {gradient_accumulation_steps} {effective_batch} {learning_rate}
+    {max_steps} {nproc} {world_size} {output_dir}; the same values reach the script as GPUFLEET_* variables."""
+
+    reference_devices: int = Field(1, ge=1)
+    """The device count the recipe below worked on (what the hand-tuned single-GPU command used)."""
+
+    per_device_batch: int | None = Field(None, ge=1)
+    """Per-device batch of the reference recipe. None: the script keeps its own (no batch scaling)."""
+
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Gradient accumulation of the reference recipe (HF/TRL's name)."""
+
+    learning_rate: float | None = Field(None, gt=0)
+    """Learning rate of the reference recipe. None: the script keeps its own."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of the reference recipe; scaled so the run sees the same number of samples."""
+
+    batch_rule: Literal["keep_effective_batch", "keep_per_device_batch"] = "keep_effective_batch"
+    """How the batch follows the device count: keep the effective batch (per-device batch x accumulation
+    x devices, the recipe's optimisation unchanged) or keep the per-device batch (the effective batch
+    grows with the devices)."""
+
+    lr_rule: Literal["none", "linear", "sqrt"] = "none"
+    """How the learning rate follows the effective batch: unchanged, x ratio (Goyal et al.), or
+    x sqrt(ratio) (Adam-style). With keep_effective_batch the ratio is 1 and this changes nothing."""
+
+
 class Job(BaseModel):
     """A whole job: one section per concern."""
 
@@ -270,6 +316,7 @@ class Job(BaseModel):
     placement: PlacementSection = Field(default_factory=PlacementSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    script: ScriptSection = Field(default_factory=ScriptSection)
 
     def roles_used(self) -> dict[str, bool]:
         """Whether the reference and reward roles have anything to hold (the one place this is decided):

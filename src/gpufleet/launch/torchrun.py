@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gpufleet.config.schema import Job
+from gpufleet.config.schema import Job, LaunchSection
 from gpufleet.topology import Topology
 
 
@@ -36,17 +36,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def torchrun_argv(
-    job: Job,
-    topo: Topology,
-    job_file: Path,
+def agent_argv(
+    la: LaunchSection,
+    nproc_per_node: int,
+    run_key: str,
     *,
-    cpu: bool,
     node_rank: int | None = None,
     port: int | None = None,
 ) -> list[str]:
-    """The exact command one node runs."""
-    la = job.launch
+    """torchrun's own part of one node's command (the target follows): nodes, processes, rendezvous."""
     argv = [
         sys.executable,
         "-m",
@@ -54,10 +52,10 @@ def torchrun_argv(
         "--nnodes",
         str(la.nnodes),
         "--nproc-per-node",
-        str(topo.nproc_per_node),
+        str(nproc_per_node),
     ]
     if la.nnodes > 1:
-        run_id = hashlib.sha1(str(Path(job.output.dir).resolve()).encode()).hexdigest()[:12]
+        run_id = hashlib.sha1(run_key.encode()).hexdigest()[:12]
         argv += [
             "--rdzv-backend",
             "c10d",
@@ -74,28 +72,31 @@ def torchrun_argv(
         if port is None:
             port = free_port(la.master_addr) if la.master_port == "auto" else int(la.master_port)
         argv += ["--master-addr", la.master_addr, "--master-port", str(port)]
-    argv += [
-        "--max-restarts",
-        str(la.max_restarts),
-        "--monitor-interval",
-        "0.5",
-        "-m",
-        "gpufleet",
-        "train",
-        "--worker",
-        str(job_file),
-        "--gpus",
-        "cpu" if cpu else "auto",
-    ]
-    return argv
+    return argv + ["--max-restarts", str(la.max_restarts), "--monitor-interval", "0.5"]
+
+
+def torchrun_argv(
+    job: Job,
+    topo: Topology,
+    job_file: Path,
+    *,
+    cpu: bool,
+    node_rank: int | None = None,
+    port: int | None = None,
+) -> list[str]:
+    """The exact command one node runs for `gpufleet train`."""
+    key = str(Path(job.output.dir).resolve())
+    argv = agent_argv(job.launch, topo.nproc_per_node, key, node_rank=node_rank, port=port)
+    return argv + ["-m", "gpufleet", "train", "--worker", str(job_file), "--gpus", "cpu" if cpu else "auto"]
 
 
 def worker_env(
-    topo: Topology, env: Mapping[str, str] | None = None, cpu_count: int | None = None
+    nproc_per_node: int, env: Mapping[str, str] | None = None, cpu_count: int | None = None
 ) -> dict[str, str]:
+    """The ranks' environment: cores / processes threads each (unless set), unbuffered output."""
     env = dict(os.environ if env is None else env)
     cores = cpu_count or os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(topo.nproc_per_node, 1))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(nproc_per_node, 1))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -113,7 +114,7 @@ def describe_launch(job: Job, topo: Topology, job_file: Path, *, cpu: bool, job_
         argv = torchrun_argv(job, topo, job_file, cpu=cpu, node_rank=n, port=port or 0)
         if job.launch.nnodes == 1 and port is None:
             argv[argv.index("--master-port") + 1] = "<free port chosen at launch>"
-        env = worker_env(topo)
+        env = worker_env(topo.nproc_per_node)
         lines.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
     return "\n".join(lines)
 

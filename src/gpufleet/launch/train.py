@@ -12,8 +12,8 @@ from gpufleet.commands import render_problems, render_yaml, summary
 from gpufleet.config.checks import run_checks
 from gpufleet.config.load import load_job
 from gpufleet.config.resources import holds_run
-from gpufleet.errors import EXIT_USER_ERROR, UserError
-from gpufleet.hardware import resolve_hardware
+from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.hardware import hardware_here, resolve_hardware
 from gpufleet.imports import pythonpath, roots, use_roots
 
 
@@ -27,7 +27,7 @@ def train_command(
     force: bool = False,
 ) -> int:
     """Check, prepare the run directory, train (in-process or torchrun), say where the results are."""
-    hw = resolve_hardware(gpus, env) if print_launch else _hardware_here(gpus, env)
+    hw = resolve_hardware(gpus, env) if print_launch else hardware_here(gpus, env, verb="train")
     r, problems, ctx = _checked(job, sets, hw, env, force)
     if any(p.severity == "error" for p in problems):
         print(render_problems(problems), file=sys.stderr)
@@ -67,20 +67,6 @@ def train_command(
     if code == 0:
         _results(out, jb)
     return code
-
-
-def _hardware_here(gpus: str, env: Mapping[str, str]):
-    """`train` runs on the hardware that is here: `auto` (detect) or `cpu`; a what-if spec is refused
-    (it is fine with --print-launch, which shows the commands for that hardware and runs nothing)."""
-    if gpus.strip().lower() not in ("auto", "cpu"):
-        here = resolve_hardware("auto", env)
-        raise UserError(
-            f"--gpus {gpus!r}: train runs on the hardware that is here ({here.describe()}), not on a what-if "
-            f"spec; use `gpufleet plan JOB --gpus {gpus}` or `gpufleet check JOB --gpus {gpus}` to ask "
-            "whether it would fit",
-            fix="--gpus auto (detect) or --gpus cpu",
-        )
-    return resolve_hardware(gpus, env)
 
 
 def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: bool):
@@ -236,7 +222,7 @@ def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
     agent = logs / ("torchrun.log" if job.launch.nnodes == 1 else f"torchrun.node{job.launch.node_rank}.log")
     with agent.open("a", encoding="utf-8") as agent_log:
         start = agent_log.tell()
-        code = run_agent(argv, worker_env(topo, env), agent_log)
+        code = run_agent(argv, worker_env(topo.nproc_per_node, env), agent_log)
     if code == 0:
         return 0
     failure = first_failure(logs)

@@ -1,0 +1,202 @@
+"""`gpufleet launch`: anyone's training script from 1 device to N, on the same launcher as `train`.
+
+    gpufleet launch [JOB] [--gpus auto|cpu] [--nproc N] [--set ...] [--dry-run] -- python train.py --bs {per_device_batch}
+
+The job's `script:` section holds the recipe that worked on `reference_devices` devices and the rules
+that scale it; the scaled values replace the {placeholders} in the command and reach the script as
+GPUFLEET_* variables. Checks first (every problem at once), then torchrun with one `rankexec` per rank
+(per-rank logs, rank 0 on the terminal), then one paragraph naming the first failing rank and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from gpufleet.config.load import load_job
+from gpufleet.errors import EXIT_USER_ERROR, UserError
+from gpufleet.hardware import Hardware, hardware_here, resolve_hardware
+from gpufleet.launch import recipe
+from gpufleet.text import plural
+
+GiB = 1024**3
+
+
+def launch_command(
+    job: str | None,
+    sets: Sequence[str],
+    gpus: str,
+    env: Mapping[str, str],
+    command: Sequence[str],
+    *,
+    nproc: int | None = None,
+    dry_run: bool = False,
+) -> int:
+    """Check, scale the recipe, run the script on every rank (or only print it with --dry-run)."""
+    hw = resolve_hardware(gpus, env) if dry_run else hardware_here(gpus, env, verb="launch")
+    r = load_job(job, [*sets, *([f"launch.nproc_per_node={nproc}"] if nproc else [])], env)
+    errors = [p for p in r.problems if p.severity == "error"]
+    if errors:
+        from gpufleet.commands import render_problems
+
+        print(render_problems(errors), file=sys.stderr)
+        return EXIT_USER_ERROR
+    jb = r.job
+    cmd = list(command) or jb.script.command
+    if not cmd:
+        raise UserError(
+            "no command to launch.", field="script.command", fix="gpufleet launch JOB -- python train.py ..."
+        )
+    per_node = _nproc(jb, hw)
+    now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
+    out = Path(jb.output.dir).expanduser()
+    values = recipe.values(now, per_node, str(out))
+    argv = recipe.fill(cmd, values)
+    problems = _problems(argv, per_node, hw, jb)
+    print(f"gpufleet launch: {shlex.join(argv)}")
+    print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
+    if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
+        print(f"  recipe ({jb.script.batch_rule}, lr {jb.script.lr_rule}):")
+        print(recipe.table(recipe.reference(jb.script), now))
+    for level, text in problems:
+        print(f"{level}: {text}", file=sys.stderr if level == "error" else sys.stdout)
+    if any(level == "error" for level, _ in problems):
+        print("Nothing was started.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if dry_run:
+        print(f"  env: {' '.join(f'{_env_name(k)}={v}' for k, v in values.items())}")
+        return 0
+    return _run(jb, argv, per_node, values, out, env)
+
+
+def _nproc(jb, hw: Hardware) -> int:
+    n = jb.launch.nproc_per_node
+    if n != "auto":
+        return n
+    return 1 if hw.is_cpu else len(hw.devices)
+
+
+def _env_name(key: str) -> str:
+    return f"GPUFLEET_{key.upper()}"
+
+
+def _problems(argv: list[str], per_node: int, hw: Hardware, jb) -> list[tuple[str, str]]:
+    """(level, line) for everything that would stop or slow the run, all at once."""
+    out: list[tuple[str, str]] = []
+    script = _script_file(argv)
+    if script is not None and not script.is_file():
+        out.append(
+            (
+                "error",
+                f"script.command: {script} does not exist (from {os.getcwd()}). Fix: the path of the script",
+            )
+        )
+    elif script is None and shutil.which(argv[0]) is None:
+        out.append(
+            (
+                "error",
+                f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path",
+            )
+        )
+    if not hw.is_cpu and per_node > len(hw.devices):
+        out.append(
+            (
+                "error",
+                f"launch.nproc_per_node: {per_node} processes but {plural(len(hw.devices), 'GPU')} here. "
+                f"Fix: --nproc {len(hw.devices)}",
+            )
+        )
+    if (
+        jb.launch.master_port != "auto"
+        and jb.launch.nnodes == 1
+        and not _port_free(jb.launch.master_addr, jb.launch.master_port)
+    ):
+        out.append(
+            (
+                "error",
+                f"launch.master_port: {jb.launch.master_port} is in use on {jb.launch.master_addr}. "
+                "Fix: --set launch.master_port=auto",
+            )
+        )
+    cores = hw.cpu_count
+    if per_node > cores:
+        out.append(
+            (
+                "warning",
+                f"{per_node} processes share {plural(cores, 'core')}: expect no speed-up on the CPU side",
+            )
+        )
+    shm = _shm_bytes()
+    if shm is not None and not hw.is_cpu and shm < per_node * GiB:
+        out.append(
+            (
+                "warning",
+                f"/dev/shm is {shm / GiB:.1f} GiB for {per_node} ranks: DataLoader workers may die. "
+                "Fix: docker --shm-size=8g, or num_workers=0",
+            )
+        )
+    return out
+
+
+def _script_file(argv: list[str]) -> Path | None:
+    """The .py file a `python x.py ...` / `x.py ...` command runs (None for `python -m` and other commands)."""
+    args = argv[1:] if Path(argv[0]).name.startswith("python") else argv
+    first = next((a for a in args if not a.startswith("-")), None) if args else None
+    if args and args[0] == "-m":
+        return None
+    return Path(first) if first and first.endswith(".py") else None
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _shm_bytes() -> int | None:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bsize * st.f_blocks
+
+
+def _target(argv: list[str], logs: Path) -> list[str]:
+    """torchrun's target: every rank runs `rankexec LOGS -- command` (python scripts use this Python)."""
+    if Path(argv[0]).name.startswith("python"):
+        argv = [sys.executable, *argv[1:]]
+    return ["-m", "gpufleet.launch.rankexec", str(logs), "--", *argv]
+
+
+def _run(
+    jb, argv: list[str], per_node: int, values: dict[str, str], out: Path, env: Mapping[str, str]
+) -> int:
+    from gpufleet.launch.scriptfail import explain
+    from gpufleet.launch.torchrun import Interrupted, agent_argv, run_agent, worker_env
+
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    full = agent_argv(jb.launch, per_node, str(out.resolve())) + _target(argv, logs)
+    child_env = {**worker_env(per_node, env), **{_env_name(k): v for k, v in values.items()}}
+    agent = logs / ("torchrun.log" if jb.launch.nnodes == 1 else f"torchrun.node{jb.launch.node_rank}.log")
+    try:
+        with agent.open("a", encoding="utf-8") as agent_log:
+            code = run_agent(full, child_env, agent_log)
+    except Interrupted as e:
+        print(f"gpufleet: interrupted ({e}); every rank was stopped. Logs: {logs}/", file=sys.stderr)
+        return 130
+    if code == 0:
+        print(f"done: {plural(per_node * jb.launch.nnodes, 'rank')} finished; logs: {logs}/")
+        return 0
+    now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
+    print(explain(logs, code, recipe.reference(jb.script), now), file=sys.stderr)
+    return 1

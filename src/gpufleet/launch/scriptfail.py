@@ -1,0 +1,141 @@
+"""Why a launched script failed: the first rank that exited non-zero, the cause read from its log, and a
+computed fix. The causes are recognised by the messages the libraries really print (torch's CUDA OOM,
+NCCL, the DataLoader, the OS) and by how the process ended (killed by SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet.launch.recipe import Recipe
+
+
+@dataclass
+class Ended:
+    rank: int
+    code: int
+    log: Path
+    text: str  # the log of the last attempt
+
+
+def first_ended(logs: Path) -> Ended | None:
+    """The rank whose command failed first (the others usually fail because it did)."""
+    records = []
+    for f in logs.glob("rank*.exit.json"):
+        try:
+            records.append(json.loads(f.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    rec = min(records, key=lambda r: (r["code"] in (-signal.SIGTERM, 143), r["time"]))
+    log = logs / f"rank{rec['rank']}.log"
+    text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+    return Ended(rec["rank"], rec["code"], log, text[text.rfind("--- rank ") :])
+
+
+def _oom(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if not re.search(r"CUDA out of memory|OutOfMemoryError|HIP out of memory", e.text):
+        return None
+    if now.per_device_batch and now.per_device_batch > 1 and ref.effective_batch:
+        pdb = now.per_device_batch // 2  # a reference recipe that scales to half the per-device batch
+        acc = max(1, ref.effective_batch // (pdb * ref.devices))
+        return (
+            f"out of GPU memory at per-device batch {now.per_device_batch}. Fix: --set script.per_device_batch="
+            f"{pdb} --set script.gradient_accumulation_steps={acc} (per-device batch {pdb}, the effective "
+            f"batch stays {ref.effective_batch}), or turn on gradient checkpointing in the script"
+        )
+    return (
+        "out of GPU memory. Fix: a smaller batch or sequence length, or gradient checkpointing in the script"
+    )
+
+
+def _missing_module(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    m = re.search(r"ModuleNotFoundError: No module named '([^']+)'", e.text)
+    if not m:
+        return None
+    top = m.group(1).split(".")[0]
+    return (
+        f"the script imports {m.group(1)!r}, which is not installed where it runs. Fix: pip install {top} "
+        "into the Python that runs it, or put its folder on PYTHONPATH"
+    )
+
+
+def _address_in_use(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if not re.search(r"EADDRINUSE|[Aa]ddress already in use", e.text):
+        return None
+    return (
+        "a port the script (or its rendezvous) binds is already in use. Fix: --set launch.master_port=auto, "
+        "or stop the other run that holds it"
+    )
+
+
+def _nccl(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if "NCCL" not in e.text:
+        return None
+    if re.search(r"[Tt]imeout|timed out|Watchdog", e.text):
+        return (
+            f"a collective timed out on rank {e.rank}: another rank lagged or hung (see its log). Fix: find "
+            "the slow rank's last line; NCCL_DEBUG=INFO shows the transport; raise the script's timeout only "
+            "if a rank is legitimately slow (e.g. saving)"
+        )
+    return (
+        "NCCL failed. Fix: on cards without peer-to-peer (consumer GPUs) set NCCL_P2P_DISABLE=1; without "
+        "InfiniBand set NCCL_IB_DISABLE=1; NCCL_DEBUG=INFO names the failing transport"
+    )
+
+
+def _dataloader(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if not re.search(r"DataLoader worker \(pid", e.text):
+        return None
+    why = (
+        "shared memory (/dev/shm) ran out"
+        if re.search(r"shm|shared memory|[Bb]us error", e.text)
+        else ("a DataLoader worker was killed (often /dev/shm too small, or host memory)")
+    )
+    return f"{why}. Fix: fewer DataLoader num_workers per rank, or a larger /dev/shm (docker --shm-size=8g)"
+
+
+def _killed(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if e.code not in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return None
+    return (
+        f"rank {e.rank} was killed by SIGKILL without an error of its own: most often the kernel's "
+        "out-of-memory killer (host RAM; `dmesg` says so). Fix: fewer DataLoader workers or a smaller "
+        "per-device batch, or fewer processes per node"
+    )
+
+
+CAUSES: list[Callable[[Ended, Recipe, Recipe], str | None]] = [
+    _oom,
+    _missing_module,
+    _address_in_use,
+    _nccl,
+    _dataloader,
+    _killed,
+]
+
+
+def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe) -> str:
+    """The one-paragraph summary printed after a failed launch."""
+    e = first_ended(logs)
+    if e is None:
+        return (
+            f"gpufleet: the launch failed before any rank ran its command (torchrun exit code {agent_code}); "
+            f"see {logs / 'torchrun.log'}"
+        )
+    cause = next((c for c in (f(e, ref, now) for f in CAUSES) if c), None)
+    if cause is None:
+        errors = re.findall(r"^(\w+(?:Error|Exception)\b.*)$", e.text, re.M)
+        cause = errors[-1] if errors else f"the command exited with code {e.code}"
+    tail = [x for x in e.text.splitlines()[1:] if x.strip()][-8:]
+    lines = [f"gpufleet: rank {e.rank} failed first: {cause}"]
+    if tail:
+        lines.append(f"  last lines of {e.log}:")
+        lines += [f"    {x}" for x in tail]
+    lines.append(f"  every rank was stopped; all logs: {logs}/")
+    return "\n".join(lines)
