@@ -41,9 +41,7 @@ def launch_command(
     r = load_job(job, [*sets, *([f"launch.nproc_per_node={nproc}"] if nproc else [])], env)
     errors = [p for p in r.problems if p.severity == "error"]
     if errors:
-        from gpufleet.commands import render_problems
-
-        print(render_problems(errors), file=sys.stderr)
+        print("\n".join(p.render() for p in errors), file=sys.stderr)
         return EXIT_USER_ERROR
     jb = r.job
     cmd = list(command) or jb.script.command
