@@ -159,6 +159,7 @@ def test_check_rule_refuses_7b(tmp_path):
     problems, ctx = run_checks(r, parse_gpu_spec("1x24GB"), {})
     (p,) = [p for p in fit_problems(ctx) if p.severity == "error"]
     assert p.field == "placement.strategy"
+    assert p.extra.get("rule") == "fit"  # what `train --force` looks for to let it run anyway
     assert (
         "needs" in p.why and "24.00 GiB" in p.why and "--gpus" in p.fix and "placement.strategy=fsdp" in p.fix
     )

@@ -13,7 +13,7 @@ from gpufleet.plan.loads import HEADROOM, DeviceLoad
 from gpufleet.plan.memory import gib
 from gpufleet.plan.overhead import BadSetting, overhead_bytes
 from gpufleet.plan.search import make_plan
-from gpufleet.plan.shape import load_models
+from gpufleet.plan.shape import Models, load_models
 
 
 def _dominant_field(d: DeviceLoad) -> str:
@@ -33,6 +33,20 @@ def breakdown(d: DeviceLoad) -> str:
         f"weights {gib(d.weights)} + grads {gib(d.grads)} + optimizer {gib(d.optimizer)} + other {gib(d.other)} "
         f"+ the largest phase of activations {gib(d.phase('train'))} / kv cache {gib(d.phase('rollout'))} / "
         f"scoring {gib(d.phase('scoring'))} / optimizer step {gib(d.phase('optimizer step'))} GiB"
+    )
+
+
+def _too_full(d: DeviceLoad, models: Models) -> str:
+    """Why device `d` does not fit (or is tight), with its bytes by component."""
+    where = "the CPU's RAM" if d.index is None else f"device {d.label} ({', '.join(d.roles)})"
+    if not d.fits:
+        return (
+            f"{where} needs {gib(d.total)} GiB ({breakdown(d)}) but has {gib(d.capacity)} GiB: "
+            f"{models.policy.path} has {models.policy.params.total / 1e9:.2f}B parameters."
+        )
+    return (
+        f"{where} would keep only {d.headroom:.0%} of its {gib(d.capacity)} GiB free "
+        f"({gib(d.total)} GiB: {breakdown(d)}); plans keep >= {HEADROOM:.0%} for fragmentation."
     )
 
 
@@ -78,21 +92,17 @@ def fit_problems(ctx) -> list[Problem]:
     for path in ("train.micro_batch", "model.gradient_checkpointing", "placement.strategy"):
         if path not in {x.path for x in refs}:
             refs.append(r.ref(path))
-    where = "the CPU's RAM" if d.index is None else f"device {d.label} ({', '.join(d.roles)})"
-    if not d.fits:
-        why = (
-            f"{where} needs {gib(d.total)} GiB ({breakdown(d)}) but has {gib(d.capacity)} GiB: "
-            f"{models.policy.path} has {models.policy.params.total / 1e9:.2f}B parameters."
-        )
-    else:
-        why = (
-            f"{where} would keep only {d.headroom:.0%} of its {gib(d.capacity)} GiB free "
-            f"({gib(d.total)} GiB: {breakdown(d)}); plans keep >= {HEADROOM:.0%} for fragmentation."
-        )
+    why = _too_full(d, models)
     fix = (
         "; or ".join(f.command() for f in fixes) if fixes else "use GPUs with more memory or a smaller model"
     )
     out.append(
-        Problem("error" if not d.fits else "warning", refs, why, fix + " (gpufleet plan shows each device)")
+        Problem(
+            "error" if not d.fits else "warning",
+            refs,
+            why,
+            fix + " (gpufleet plan shows each device)",
+            extra={"rule": "fit"},  # `train --force` turns this error into a warning
+        )
     )
     return out
