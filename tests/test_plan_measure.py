@@ -24,14 +24,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gpufleet.config.schema import TrainSection
-from gpufleet.plan.memory import (
-    Precision,
-    arch_from_config,
-    count_parameters,
-    kv_cache_bytes,
-    train_activations,
-    train_state_bytes,
-)
+from gpufleet.plan.inference import kv_cache_bytes
+from gpufleet.plan.memory import Precision, train_activations, train_state_bytes
+from gpufleet.plan.shape import arch_from_config, count_parameters
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.rollout import generate, sequence_logprobs
 
@@ -222,6 +217,6 @@ def test_kv_cache_of_the_fast_decoder_exact(name, monkeypatch):
 
 def test_fuse_limit_mirrors_the_fast_decoder():
     fastdecode = pytest.importorskip("gpufleet.rl.fastdecode")
-    from gpufleet.plan.memory import FUSE_LIMIT_BYTES
+    from gpufleet.plan.inference import FUSE_LIMIT_BYTES
 
     assert FUSE_LIMIT_BYTES == fastdecode._FUSE_LIMIT_BYTES

@@ -12,20 +12,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from gpufleet.errors import UserError
+from gpufleet.plan.inference import kv_cache_bytes
 from gpufleet.plan.known_models import KNOWN_CONFIGS, known_config, lookup_config
 from gpufleet.plan.memory import (
-    DEFAULT_GPU_OVERHEAD,
     LOGPROB_CHUNK_ELEMENTS,
     GiB,
-    UnsupportedModel,
-    arch_from_config,
-    count_parameters,
-    kv_cache_bytes,
-    overhead_bytes,
     train_activations,
     train_state_bytes,
     training_precision,
 )
+from gpufleet.plan.overhead import DEFAULT_GPU_OVERHEAD, overhead_bytes
+from gpufleet.plan.shape import UnsupportedModel, arch_from_config, count_parameters
 
 # Small configs covering every branch of the parameter formulas.
 ARCHS: dict[str, dict] = {
@@ -239,14 +237,14 @@ def test_overhead_setting():
     assert overhead_bytes({}, gpu=True) == DEFAULT_GPU_OVERHEAD
     assert overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "1.5GB"}, gpu=True) == int(1.5 * GiB)
     assert overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "512MB"}, gpu=False) == 512 * 1024**2
-    with pytest.raises(ValueError, match="GPUFLEET_PLAN_OVERHEAD='lots'"):
+    with pytest.raises(UserError, match="GPUFLEET_PLAN_OVERHEAD='lots' is not a size.*Fix: set it to"):
         overhead_bytes({"GPUFLEET_PLAN_OVERHEAD": "lots"}, gpu=True)
 
 
 def test_plan_modules_import_no_torch():
     code = (
         "import sys\n"
-        "import gpufleet.plan.command, gpufleet.plan.placement, gpufleet.plan.memory\n"
+        "import gpufleet.plan.command, gpufleet.plan.search, gpufleet.plan.fit_rule, gpufleet.plan.memory\n"
         "from gpufleet.plan.command import plan_command\n"
         "code = plan_command('examples/gspo-3gpu.yaml', [], '3x16GB', 'json', {})\n"
         "assert code == 0, code\n"

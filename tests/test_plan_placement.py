@@ -13,20 +13,14 @@ import yaml
 from gpufleet.config.checks import run_checks
 from gpufleet.config.load import load_job
 from gpufleet.hardware import GiB, parse_gpu_spec
+from gpufleet.plan.change import Change, apply, changes, merge
 from gpufleet.plan.command import plan_command
-from gpufleet.plan.fixes import (
-    find_fixes,
-    fit_problems,
-    largest_that_fits,
-)
-from gpufleet.plan.placement import (
-    HEADROOM,
-    Plan,
-    PlanError,
-    load_models,
-    make_plan,
-    variant,
-)
+from gpufleet.plan.fit_rule import fit_problems
+from gpufleet.plan.fixes import find_fixes
+from gpufleet.plan.largest import largest_that_fits
+from gpufleet.plan.loads import HEADROOM, Plan, PlanError
+from gpufleet.plan.search import make_plan
+from gpufleet.plan.shape import load_models
 
 ROOT = Path(__file__).resolve().parents[1]
 GSPO = str(ROOT / "examples" / "gspo-3gpu.yaml")
@@ -165,6 +159,7 @@ def test_check_rule_refuses_7b(tmp_path):
     problems, ctx = run_checks(r, parse_gpu_spec("1x24GB"), {})
     (p,) = [p for p in fit_problems(ctx) if p.severity == "error"]
     assert p.field == "placement.strategy"
+    assert p.extra.get("rule") == "fit"  # what `train --force` looks for to let it run anyway
     assert (
         "needs" in p.why and "24.00 GiB" in p.why and "--gpus" in p.fix and "placement.strategy=fsdp" in p.fix
     )
@@ -184,7 +179,7 @@ def test_explicit_colocate_is_checked_not_overridden(tmp_path):
     r = load_job(job, [], {})
     hw = parse_gpu_spec("3x24GB")
     plan, _ = make_plan(r, hw, {})
-    assert plan.reference == "colocate" and plan.sets == []
+    assert plan.reference == "colocate" and plan.changes == ()
     assert all("reference" in d.roles[0] for d in plan.devices)
 
 
@@ -199,17 +194,18 @@ def test_auto_reference_moves_to_a_dedicated_device_only_when_colocated_is_tight
     r = load_job(job, [], {})
     models = load_models(r, {})
     roomy, _ = make_plan(r, parse_gpu_spec("4x80GB"), {}, models)
-    assert roomy.reference == "colocate" and roomy.comfortable and not roomy.sets
+    assert roomy.reference == "colocate" and roomy.comfortable and not roomy.changes
     assert any("auto -> colocated" in w for w in roomy.why)
     hw = parse_gpu_spec("4x40GB")
     colocated, _ = make_plan(r, hw, {}, models, choose=False)
     assert not colocated.comfortable
     chosen, _ = make_plan(r, hw, {}, models)
     assert chosen.reference == "dedicated" and chosen.comfortable
-    assert chosen.sets == ["--set placement.reference=3"]
+    assert chosen.changes == (Change("placement.reference", [3]),)
+    assert [c.flag() for c in chosen.changes] == ["--set placement.reference=3"]
     assert any("auto -> dedicated scorer device 3" in w for w in chosen.why)
     # The printed choice reproduces the plan when given explicitly.
-    explicit, _ = make_plan(variant(r, {"placement.reference": [3]}), hw, {}, models)
+    explicit, _ = make_plan(apply(r, [Change("placement.reference", [3])]), hw, {}, models)
     assert [d.total for d in explicit.devices] == [d.total for d in chosen.devices]
 
 
@@ -282,8 +278,8 @@ def test_largest_that_fits_is_the_edge(tmp_path):
     t = by_field["rollout.max_completion_length"].largest
     assert b and t
 
-    def comfortable(**changes):
-        plan, _ = make_plan(variant(r, changes), hw, {}, models)
+    def comfortable(**fields):
+        plan, _ = make_plan(apply(r, changes(fields)), hw, {}, models)
         return plan.comfortable
 
     assert comfortable(**{"train.per_device_batch": b}) and not comfortable(
@@ -346,7 +342,8 @@ def test_reward_model_is_sized_where_it_is_placed(tmp_path, capsys):
 def test_bad_format_and_overhead_setting(capsys):
     code = plan_command(GSPO, [], "3x16GB", "table", {"GPUFLEET_PLAN_OVERHEAD": "lots"})
     out = capsys.readouterr()
-    assert code == 2 and "GPUFLEET_PLAN_OVERHEAD" in out.err
+    assert code == 2 and "GPUFLEET_PLAN_OVERHEAD='lots' is not a size" in out.err and "Fix:" in out.err
+    assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
     assert plan_command(GSPO, [], "3x16GB", "table", {"GPUFLEET_PLAN_OVERHEAD": "0.5GB"}) == 0
 
 
@@ -362,6 +359,33 @@ def test_train_applies_the_auto_choice(tmp_path):
         rollout={"max_prompt_length": 256, "max_completion_length": 256},
     )
     r = load_job(job, [], {})
-    assert _auto_placement(r, parse_gpu_spec("4x40GB"), {}) == ["--set placement.reference=3"]
-    assert _auto_placement(r, parse_gpu_spec("4x80GB"), {}) == []
-    assert _auto_placement(r, parse_gpu_spec("cpu"), {}) == []
+    auto = _auto_placement(r, parse_gpu_spec("4x40GB"), {})
+    assert auto == (Change("placement.reference", [3]),)
+    assert _auto_placement(r, parse_gpu_spec("4x80GB"), {}) == ()
+    assert _auto_placement(r, parse_gpu_spec("cpu"), {}) == ()
+    # applying the change is the same as giving its flag on the command line
+    by_flag = load_job(job, [auto[0].flag().removeprefix("--set ")], {})
+    applied = apply(r, auto)
+    assert applied.job == by_flag.job and applied.sources == by_flag.sources
+
+
+def test_change_flags_and_merge():
+    assert Change("model.gradient_checkpointing", True).flag() == "--set model.gradient_checkpointing=true"
+    assert Change("placement.policy", [0, 1]).flag() == "--set placement.policy=0,1"
+    assert Change("placement.policy", [0, 1]) == Change("placement.policy", (0, 1))
+    a = changes({"placement.strategy": "fsdp", "train.micro_batch": 4})
+    merged = merge(a, [Change("train.micro_batch", 2)], [Change("model.gradient_checkpointing", True)])
+    assert [c.flag() for c in merged] == [
+        "--set placement.strategy=fsdp",
+        "--set train.micro_batch=2",
+        "--set model.gradient_checkpointing=true",
+    ]
+
+
+def test_overhead_setting_is_named_by_check(capsys):
+    r = load_job(GSPO, [], {})
+    env = {"GPUFLEET_PLAN_OVERHEAD": "banana"}
+    problems, _ = run_checks(r, parse_gpu_spec("3x16GB"), env)
+    (p,) = [p for p in problems if p.extra.get("rule") == "fit"]
+    assert p.severity == "error" and p.field == "GPUFLEET_PLAN_OVERHEAD"
+    assert "'banana' is not a size" in p.why and "GPUFLEET_PLAN_OVERHEAD=1.5GB" in p.fix

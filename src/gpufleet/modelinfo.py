@@ -64,9 +64,23 @@ def find_config_json(path: str, env: Mapping[str, str] | None = None) -> Path | 
     return None
 
 
+def text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of a config.json that describes the language model (`text_config` of vision-language
+    configs, else the whole config)."""
+    text = raw.get("text_config")
+    return text if isinstance(text, Mapping) else raw
+
+
+def checkpoint_dtype(raw: Mapping[str, Any]) -> str | None:
+    """The dtype the checkpoint is stored in (`dtype`, older `torch_dtype`), e.g. `bfloat16`."""
+    text = text_config(raw)
+    found = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(found).removeprefix("torch.") if found else None
+
+
 def from_config(raw: dict[str, Any], source: str) -> ModelInfo:
     """Read the architecture numbers; vision-language configs keep them in `text_config`."""
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = text_config(raw)
 
     def get(*names: str) -> int | None:
         for n in names:

@@ -363,7 +363,7 @@ def schedule_sanity(ctx: Context):
 
 def _fit(ctx: Context):
     """Memory: every device must hold what the plan puts on it (see gpufleet.plan)."""
-    from gpufleet.plan.fixes import fit_problems
+    from gpufleet.plan.fit_rule import fit_problems
 
     return fit_problems(ctx)
 

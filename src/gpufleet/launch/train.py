@@ -73,10 +73,12 @@ def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: b
     """Resolve and check the job; apply `placement: auto` as the planner decides; --force."""
     r = load_job(job, sets, env)
     problems, ctx = run_checks(r, hw, env)
-    auto_sets = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else []
-    if auto_sets:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
-        print(f"placement auto -> {' '.join(auto_sets)} (gpufleet plan explains why)")
-        r = load_job(job, [*sets, *(s.removeprefix("--set ") for s in auto_sets)], env)
+    auto = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else ()
+    if auto:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
+        from gpufleet.plan.change import apply, flags
+
+        print(f"placement auto -> {flags(auto)} (gpufleet plan explains why)")
+        r = apply(r, auto)
         problems, ctx = run_checks(r, hw, env)
     if force:  # --force: a predicted out-of-memory is the user's call; every other rule still holds
         for p in problems:
@@ -179,19 +181,19 @@ def _interrupted(out: Path, jb) -> str:
     return f"{head} Last checkpoint: {ckpt} (step {at}); run the same command again to resume from it."
 
 
-def _auto_placement(r, hw, env) -> list[str]:
-    """The flags that turn `auto` reference/reward placements into the planner's choice ([] = colocate)."""
+def _auto_placement(r, hw, env) -> tuple:
+    """The planner's choice for `auto` reference/reward placements, as `Change`s (() = colocate)."""
     pl = r.job.placement
     if hw.is_cpu or "auto" not in (pl.reference, pl.reward):
-        return []
+        return ()
     from gpufleet.errors import UserError
-    from gpufleet.plan.placement import make_plan
+    from gpufleet.plan.search import make_plan
 
     try:
         plan, _ = make_plan(r, hw, env)
     except UserError:  # the model cannot be sized offline: keep the default (colocate)
-        return []
-    return list(plan.sets) if plan is not None and plan.sets else []
+        return ()
+    return plan.changes if plan is not None else ()
 
 
 def _in_process(job, out: Path, hw, topo) -> int:

@@ -20,21 +20,13 @@ from gpufleet.config.load import Resolved, load_job
 from gpufleet.config.problems import Problem
 from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import Hardware, resolve_hardware
-from gpufleet.plan.fixes import (
-    Fix,
-    Largest,
-    find_fixes,
-    find_layouts,
-    largest_that_fits,
-)
+from gpufleet.plan.change import flags
+from gpufleet.plan.fixes import Fix, find_fixes, find_layouts
+from gpufleet.plan.largest import Largest, largest_that_fits
+from gpufleet.plan.loads import HEADROOM, Plan
 from gpufleet.plan.memory import gib
-from gpufleet.plan.placement import (
-    HEADROOM,
-    Models,
-    Plan,
-    load_models,
-    make_plan,
-)
+from gpufleet.plan.search import make_plan
+from gpufleet.plan.shape import Models, load_models
 
 COLUMNS = ("weights", "grads", "optimizer", "activations", "kv cache", "scoring", "other")
 
@@ -133,6 +125,50 @@ def render_table(
 ) -> str:
     from gpufleet.commands import render_problems
 
+    out = _head_lines(job, hw, r, models)
+    shown = [p for p in problems if p.severity == "error" or plan is None]
+    if plan is None:
+        out += ["", render_problems(shown) if shown else "the job cannot be laid out on this hardware.", ""]
+        if fixes:
+            out.append("layouts that fit this hardware (each planned; re-run plan with one):")
+            out += _fix_lines(fixes)
+        else:
+            out.append("no layout on this hardware fits with the job's other values.")
+        return "\n".join(out)
+    out += [f"  layout:   {plan.describe_strategy()}", "", device_table(plan), LEGEND, "", "why:"]
+    out += [f"  - {w}" for w in plan.why]
+    out += [f"  - note: {note}" for note in plan.models.notes]
+    if plan.changes:
+        out.append(f"  - the planner's choice, to make it explicit: {flags(plan.changes)}")
+    if shown:
+        out += ["", render_problems(shown)]
+    out += ["", _verdict(plan)]
+    if fixes:
+        out.append("fixes (each planned again, >= 10% free on every device; re-run plan with one):")
+        out += _fix_lines(fixes)
+    elif not plan.comfortable:
+        out.append("no fix found on GPUs of this kind: use GPUs with more memory or a smaller model.")
+    if largest:
+        out += ["", f"largest that fits ({HEADROOM:.0%} free on every device, the others held):"]
+        w = max(len(x.field) for x in largest)
+        for x in largest:
+            value = "nothing fits" if x.largest is None else str(x.largest)
+            out.append(f"  {x.field.ljust(w)}  {str(x.current).rjust(6)} -> {value.ljust(8)} ({x.note})")
+    return "\n".join(out)
+
+
+LEGEND = (
+    "  total = weights + grads + optimizer + other + the largest phase; the phases of a step follow each "
+    "other and free their memory:\n"
+    "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
+    "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
+    "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
+    "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers"
+)
+
+
+def _head_lines(job: str, hw: Hardware, r: Resolved, models: Models) -> list[str]:
+    """`gpufleet plan JOB`, the hardware, the model and the job's sizes."""
     jb = r.job
     out = [f"gpufleet plan {job}", f"  hardware: {hw.describe()}"]
     pol = models.policy
@@ -148,74 +184,29 @@ def render_table(
         f"prompt {ro.max_prompt_length} + completion {ro.max_completion_length} tokens; precision {t.precision}, "
         f"model.dtype {jb.model.dtype}"
     )
-    shown = [p for p in problems if p.severity == "error" or plan is None]
-    if plan is None:
-        out.append("")
-        out.append(render_problems(shown) if shown else "the job cannot be laid out on this hardware.")
-        out.append("")
-        if fixes:
-            out.append("layouts that fit this hardware (each planned; re-run plan with one):")
-            out += _fix_lines(fixes)
-        else:
-            out.append("no layout on this hardware fits with the job's other values.")
-        return "\n".join(out)
-    out.append(f"  layout:   {plan.describe_strategy()}")
-    out.append("")
-    out.append(device_table(plan))
-    out.append(
-        "  total = weights + grads + optimizer + other + the largest phase; the phases of a step follow each "
-        "other and free their memory:\n"
-        "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
-        "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
-        "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
-        "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers"
-    )
-    out.append("")
-    out.append("why:")
-    out += [f"  - {w}" for w in plan.why]
-    for note in plan.models.notes:
-        out.append(f"  - note: {note}")
-    if plan.sets:
-        out.append(f"  - the planner's choice, to make it explicit: {' '.join(plan.sets)}")
-    if shown:
-        out.append("")
-        out.append(render_problems(shown))
-    out.append("")
+    return out
+
+
+def _verdict(plan: Plan) -> str:
+    """fits / fits, but tight / does not fit, with the devices that say so."""
     tight = plan.tightest
     where = "cpu" if tight.index is None else f"device {tight.label}"
     if plan.comfortable:
-        out.append(
+        return (
             f"fits: every device keeps >= {HEADROOM:.0%} free (tightest: {where}, {gib(tight.total)} of "
             f"{gib(tight.capacity)} GiB, {tight.headroom:.0%} free)."
         )
-    elif plan.fits:
-        out.append(
+    if plan.fits:
+        return (
             f"fits, but tight: {where} keeps only {tight.headroom:.0%} free (< {HEADROOM:.0%}); "
             "allocator fragmentation may still run out of memory."
         )
-    else:
-        over = [d for d in plan.devices if not d.fits]
-        out.append(
-            "does not fit: "
-            + "; ".join(
-                f"{'cpu' if d.index is None else 'device ' + d.label} needs {gib(d.total)} GiB of {gib(d.capacity)}"
-                for d in over
-            )
-            + "."
-        )
-    if fixes:
-        out.append("fixes (each planned again, >= 10% free on every device; re-run plan with one):")
-        out += _fix_lines(fixes)
-    elif not plan.comfortable:
-        out.append("no fix found on GPUs of this kind: use GPUs with more memory or a smaller model.")
-    if largest:
-        out.append("")
-        out.append(f"largest that fits ({HEADROOM:.0%} free on every device, the others held):")
-        w = max(len(x.field) for x in largest)
-        for x in largest:
-            value = "nothing fits" if x.largest is None else str(x.largest)
-            out.append(f"  {x.field.ljust(w)}  {str(x.current).rjust(6)} -> {value.ljust(8)} ({x.note})")
-    return "\n".join(out)
+    over = [d for d in plan.devices if not d.fits]
+    needs = (
+        f"{'cpu' if d.index is None else 'device ' + d.label} needs {gib(d.total)} GiB of {gib(d.capacity)}"
+        for d in over
+    )
+    return "does not fit: " + "; ".join(needs) + "."
 
 
 def devices_summary(plan: Plan) -> str:

@@ -1,0 +1,266 @@
+"""The bytes of every process of a job whose layout is decided: the per-process accounting of a `Plan`.
+
+    plan = build(r, hw, topo, models, env)     # no choices made here; search.py makes them
+
+Each policy rank holds the policy (a full replica with DDP, a 1/N shard with FSDP), its rollout (KV
+cache), its training activations, and every role that is colocated (the reference model when beta > 0,
+the reward model when set); each dedicated scorer rank holds the roles placed on its device. `other`
+is the framework overhead per process (`overhead.py`), the generation batch's tensors and, with FSDP,
+the all-gathered root module plus two layers (current and prefetched) and one layer's unsharded
+gradient. No torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpufleet.config.load import Resolved
+from gpufleet.hardware import Hardware
+from gpufleet.plan.inference import (
+    REWARD_MODEL_BATCH,
+    fast_decode_copies,
+    logprob_scoring_bytes,
+    reward_model_bytes,
+    rollout_bytes,
+)
+from gpufleet.plan.loads import DeviceLoad, Plan, ProcessLoad
+from gpufleet.plan.memory import (
+    Activations,
+    Precision,
+    train_activations,
+    train_state_bytes,
+    training_precision,
+)
+from gpufleet.plan.overhead import overhead_bytes
+from gpufleet.plan.shape import Models
+from gpufleet.topology import Topology
+
+
+def micro_batch(r: Resolved) -> int:
+    """The micro-batch the trainer runs: train.micro_batch within 1..per_device_batch."""
+    t = r.job.train
+    return max(1, min(t.micro_batch or t.per_device_batch, t.per_device_batch))
+
+
+def roles_in_use(r: Resolved) -> dict[str, bool]:
+    """Whether the job has a reference model (beta > 0) and a reward model."""
+    return {"reference": r.job.algorithm.beta > 0, "reward": r.job.reward.model is not None}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the topology and the job decided: the policy's strategy and where the scoring roles run."""
+
+    strategy: str
+    """`single` (one policy rank), `ddp` or `fsdp`."""
+    shards: int
+    reference: str
+    """`none`, `colocate` or `dedicated`."""
+    reward_model: str
+    """`none`, `colocate`, `dedicated` or `unsized` (its config is not available)."""
+
+
+def layout_of(r: Resolved, topo: Topology, models: Models) -> Layout:
+    ranks = topo.policy_ranks
+    strategy = "single" if ranks == 1 else r.job.placement.strategy
+    used, dedicated = roles_in_use(r), topo.dedicated_roles()
+    reference = "none" if not used["reference"] else ("dedicated" if "reference" in dedicated else "colocate")
+    if not used["reward"]:
+        reward = "none"
+    elif models.reward is None:
+        reward = "unsized"
+    else:
+        reward = "dedicated" if "reward" in dedicated else "colocate"
+    return Layout(strategy, ranks if strategy == "fsdp" else 1, reference, reward)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The bytes the processes of this job are made of."""
+
+    state: dict[str, int]
+    acts: Activations
+    roll: dict[str, int]
+    ref_weights: int
+    ref_scoring: int
+    old_scoring: int
+    """Old log-probs of the policy (only when a generation batch feeds more than one optimizer step)."""
+    rm_weights: int
+    rm_work: int
+    batch_tensors: int
+    gather: int
+    """FSDP: the root unit gathered fwd->bwd, the current and prefetched layer, one layer's grads."""
+    overhead: int
+    optimizer_step: int
+    """AdamW's temporaries on the GPU (0 on the CPU, where nothing is preallocated)."""
+
+
+def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
+    job, pol = r.job, models.policy
+    t, P, T = job.train, job.rollout.max_prompt_length, job.rollout.max_completion_length
+    prec = training_precision(job.model.dtype, t.precision)
+    micro = micro_batch(r)
+    rows = t.per_device_batch * t.steps_per_generation
+    fsdp = lay.strategy == "fsdp"
+    state = train_state_bytes(
+        pol.params, prec, shards=lay.shards, ddp_buckets=lay.strategy == "ddp", fused_adamw=not fsdp
+    )
+    sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
+    copies = fast_decode_copies(pol.arch, prec, wrapped=fsdp)
+    several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
+    rm_weights, rm_work = _reward_model_parts(models, rows, P + T)
+    per_layer = pol.params.per_layer * prec.weight_bytes
+    return Parts(
+        state=state,
+        acts=train_activations(
+            pol.arch, pol.params, prec, checkpointing=job.model.gradient_checkpointing, **sizes
+        ),
+        roll=rollout_bytes(
+            pol.arch, prec, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
+        ),
+        ref_weights=pol.params.total * prec.weight_bytes,  # loaded like the policy (trainer.model_dtype)
+        ref_scoring=logprob_scoring_bytes(pol.arch, pol.params, prec, cached_weight_copies=False, **sizes),
+        old_scoring=logprob_scoring_bytes(pol.arch, pol.params, prec, cached_weight_copies=True, **sizes)
+        if several_steps
+        else 0,
+        rm_weights=rm_weights,
+        rm_work=rm_work,
+        batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
+        gather=pol.params.root * prec.weight_bytes + 3 * per_layer if fsdp else 0,
+        overhead=overhead_bytes(env, gpu=not hw.is_cpu),
+        optimizer_step=0 if hw.is_cpu else state["optimizer_step"],
+    )
+
+
+def _reward_model_parts(models: Models, rows: int, tokens: int) -> tuple[int, int]:
+    """(weights, one forward's working set) of the reward model, in its checkpoint's dtype."""
+    rm = models.reward
+    if rm is None:
+        return 0, 0
+    dtype = (
+        rm.arch.checkpoint_dtype
+        if rm.arch.checkpoint_dtype in ("float32", "bfloat16", "float16")
+        else "float32"
+    )
+    prec = Precision(dtype, dtype)
+    work = reward_model_bytes(rm.arch, prec, batch=min(REWARD_MODEL_BATCH, rows), tokens=tokens)
+    return rm.params.total * prec.weight_bytes, work
+
+
+def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
+    """Policy rank `i` with the roles colocated on it."""
+    state, acts, roll = parts.state, parts.acts, parts.roll
+    detail = {
+        "policy_weights": state["weights"],
+        "grads": state["grads"],
+        "ddp_buckets": state["ddp_buckets"],
+        "adamw_states": state["optimizer"],
+        "saved_activations": acts.saved,
+        "autocast_weight_copies": acts.weight_copies + acts.head_weight_copy,
+        "logits": acts.logits,
+        "backward_working_set": acts.backward,
+        "kv_cache": roll["kv_cache"],
+        "prefill": roll["prefill"],
+        "sampling": roll["sampling"],
+        "decoder_weight_copies": roll["decoder_weight_copies"],
+        "overhead": parts.overhead,
+        "batch_tensors": parts.batch_tensors,
+        "fsdp_gathered": parts.gather,
+    }
+    weights, scoring, role = state["weights"], parts.old_scoring, f"policy rank {i}"
+    if lay.reference == "colocate":
+        weights += parts.ref_weights
+        detail["reference_weights"] = parts.ref_weights
+        scoring = max(scoring, parts.ref_scoring)
+        role += " + reference"
+    if lay.reward_model == "colocate":
+        weights += parts.rm_weights
+        detail["reward_model_weights"] = parts.rm_weights
+        scoring = max(scoring, parts.rm_work)
+        role += " + reward model"
+    phases = {
+        "train": acts.peak,
+        "rollout": roll["peak"],
+        "scoring": scoring,
+        "optimizer step": parts.optimizer_step,
+    }
+    return ProcessLoad(
+        role=role,
+        weights=weights,
+        grads=state["grads"] + state["ddp_buckets"],
+        optimizer=state["optimizer"],
+        other=parts.overhead + parts.batch_tensors + parts.gather,
+        phases=phases,
+        detail=detail,
+    )
+
+
+def scorer_process(
+    roles: tuple[str, ...], parts: Parts, used: Mapping[str, bool], received: int
+) -> ProcessLoad:
+    """A dedicated scorer rank holding `roles` (those the job uses); `received`: the batches sent to it."""
+    weights, work, names, detail = 0, 0, [], {"overhead": parts.overhead}
+    if "reference" in roles and used["reference"]:
+        weights += parts.ref_weights
+        work = max(work, parts.ref_scoring)
+        names.append("reference")
+        detail["reference_weights"] = parts.ref_weights
+    if "reward" in roles and used["reward"]:
+        weights += parts.rm_weights
+        work = max(work, parts.rm_work)
+        names.append("reward model")
+        detail["reward_model_weights"] = parts.rm_weights
+    detail["received_batches"] = received
+    return ProcessLoad(
+        role="scorer: " + " + ".join(names),
+        weights=weights,
+        grads=0,
+        optimizer=0,
+        other=parts.overhead + received,
+        phases={"scoring": work},
+        detail=detail,
+    )
+
+
+def _devices(hw: Hardware, per_device: dict[int, list[ProcessLoad]]) -> list[DeviceLoad]:
+    if hw.is_cpu:
+        procs = [p for dev in sorted(per_device) for p in per_device[dev]]
+        return [DeviceLoad("cpu", None, "CPU RAM", hw.ram_bytes, procs)]
+    out = []
+    for dev in sorted(per_device):
+        d = hw.devices[dev] if 0 <= dev < len(hw.devices) else None
+        out.append(
+            DeviceLoad(str(dev), dev, d.name if d else "?", d.total_bytes if d else 0, per_device[dev])
+        )
+    return out
+
+
+def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mapping[str, str]) -> Plan:
+    """The per-device loads of a job whose topology is valid (no choices made here)."""
+    job, t = r.job, r.job.train
+    lay = layout_of(r, topo, models)
+    parts = parts_of(r, hw, models, lay, env)
+    received = topo.policy_ranks * parts.batch_tensors // max(topo.nnodes, 1)
+    per_device: dict[int, list[ProcessLoad]] = {}
+    for i, dev in enumerate(topo.policy_devices):
+        per_device.setdefault(dev, []).append(policy_process(i, parts, lay))
+    for dev, roles in topo.scorer_devices:
+        per_device.setdefault(dev, []).append(scorer_process(roles, parts, roles_in_use(r), received))
+    return Plan(
+        hardware=hw,
+        models=models,
+        topo=topo,
+        strategy=lay.strategy,
+        shards=lay.shards,
+        checkpointing=job.model.gradient_checkpointing,
+        precision=training_precision(job.model.dtype, t.precision),
+        per_device_batch=t.per_device_batch,
+        micro_batch=micro_batch(r),
+        rollout_rows=t.per_device_batch * t.steps_per_generation,
+        prompt_tokens=job.rollout.max_prompt_length,
+        completion_tokens=job.rollout.max_completion_length,
+        reference=lay.reference,
+        reward_model=lay.reward_model,
+        devices=_devices(hw, per_device),
+    )

@@ -1,0 +1,108 @@
+"""The `gpufleet check` fit rule: the job must fit every device with 10% headroom, or say how to make it.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+from gpufleet.config.problems import FieldRef, Problem, Source
+from gpufleet.errors import UserError
+from gpufleet.plan.change import flags
+from gpufleet.plan.fixes import find_fixes
+from gpufleet.plan.loads import HEADROOM, DeviceLoad
+from gpufleet.plan.memory import gib
+from gpufleet.plan.overhead import BadSetting, overhead_bytes
+from gpufleet.plan.search import make_plan
+from gpufleet.plan.shape import Models, load_models
+
+
+def _dominant_field(d: DeviceLoad) -> str:
+    state = d.weights + d.grads + d.optimizer
+    parts = {
+        "placement.strategy": state,
+        "train.micro_batch": d.phase("train"),
+        "rollout.max_completion_length": d.phase("rollout"),
+    }
+    return max(parts, key=lambda k: parts[k])
+
+
+def breakdown(d: DeviceLoad) -> str:
+    """`weights 7.10 + grads 7.10 + optimizer 14.19 + other 1.02 + the largest phase of activations
+    2.31 / kv cache 0.50 / scoring 0.00 GiB`."""
+    return (
+        f"weights {gib(d.weights)} + grads {gib(d.grads)} + optimizer {gib(d.optimizer)} + other {gib(d.other)} "
+        f"+ the largest phase of activations {gib(d.phase('train'))} / kv cache {gib(d.phase('rollout'))} / "
+        f"scoring {gib(d.phase('scoring'))} / optimizer step {gib(d.phase('optimizer step'))} GiB"
+    )
+
+
+def _too_full(d: DeviceLoad, models: Models) -> str:
+    """Why device `d` does not fit (or is tight), with its bytes by component."""
+    where = "the CPU's RAM" if d.index is None else f"device {d.label} ({', '.join(d.roles)})"
+    if not d.fits:
+        return (
+            f"{where} needs {gib(d.total)} GiB ({breakdown(d)}) but has {gib(d.capacity)} GiB: "
+            f"{models.policy.path} has {models.policy.params.total / 1e9:.2f}B parameters."
+        )
+    return (
+        f"{where} would keep only {d.headroom:.0%} of its {gib(d.capacity)} GiB free "
+        f"({gib(d.total)} GiB: {breakdown(d)}); plans keep >= {HEADROOM:.0%} for fragmentation."
+    )
+
+
+def fit_problems(ctx) -> list[Problem]:
+    """The `gpufleet check` rule: the job must fit every device with 10% headroom.
+
+    `ctx` is `gpufleet.config.checks.Context`. An error when a device is predicted over its memory, a
+    warning when it keeps less than 10% free, each with fixes verified by planning them. Nothing when
+    the model cannot be sized offline (the model.path rule warns about that) or the layout is invalid
+    (the topology rules report it).
+    """
+    r, hw, env = ctx.r, ctx.hw, ctx.env
+    if not ctx.topo.policy_devices:
+        return []
+    try:
+        overhead_bytes(env, gpu=not hw.is_cpu)
+    except BadSetting as e:
+        ref = FieldRef(e.name, e.value, Source("env", e.name))
+        return [Problem("error", [ref], e.why, e.fix or "", extra={"rule": "fit"})]
+    try:
+        models = load_models(r, env)
+    except UserError:
+        return []  # not sizable offline: the model.path rule says so
+    plan, _ = make_plan(r, hw, env, models)
+    if plan is None:
+        return []
+    out: list[Problem] = []
+    if plan.changes:
+        out.append(
+            Problem(
+                "warning",
+                [r.ref(c.field) for c in plan.changes],
+                "an auto placement does not fit colocated; the planner puts it on a dedicated scorer device.",
+                flags(plan.changes) + " (make it explicit)",
+                extra={"rule": "fit"},
+            )
+        )
+    if plan.comfortable:
+        return out
+    d = plan.tightest
+    fixes = find_fixes(r, hw, env, models, limit=3)
+    refs = [r.ref(_dominant_field(d)), r.ref("model.path")]
+    for path in ("train.micro_batch", "model.gradient_checkpointing", "placement.strategy"):
+        if path not in {x.path for x in refs}:
+            refs.append(r.ref(path))
+    why = _too_full(d, models)
+    fix = (
+        "; or ".join(f.command() for f in fixes) if fixes else "use GPUs with more memory or a smaller model"
+    )
+    out.append(
+        Problem(
+            "error" if not d.fits else "warning",
+            refs,
+            why,
+            fix + " (gpufleet plan shows each device)",
+            extra={"rule": "fit"},  # `train --force` turns this error into a warning
+        )
+    )
+    return out

@@ -1,0 +1,118 @@
+"""Bytes of the no-grad forwards of one RL step: the rollout (KV cache, prefill, sampler, fast decoder)
+and scoring (reference log-probs, reward model). Pure arithmetic, no torch import.
+
+KV cache of the rollout (`rollout_bytes`)
+    2 (k and v) x layers x kv_heads x head_dim x bytes x tokens x sequences, with tokens = prompt +
+    completion and sequences = per_device_batch x steps_per_generation (a rank generates its whole
+    generation batch at once). `generate` runs outside autocast, so bytes = the weights' dtype. Plus the
+    prefill's working set (one layer over all prompts), the sampler's float temporaries over the
+    vocabulary, and the fast decoder's fused q/k/v + gate/up weights (at most 1 GiB; rl/fastdecode.py).
+
+Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
+    Inference weights (reference: the policy's dtype, as the trainer loads it; reward model: its
+    checkpoint dtype, which is what `from_pretrained` picks in transformers 5) plus one forward's
+    working set: the largest layer's temporaries for a micro-batch, or the logits and one log-softmax
+    chunk, whichever is larger.
+"""
+
+from __future__ import annotations
+
+from gpufleet.plan.memory import Precision, chunk_elements, inference_layer_bytes_per_token
+from gpufleet.plan.shape import Arch, ParamCount
+
+REWARD_MODEL_BATCH = 16
+"""Texts per reward-model forward (`gpufleet.rl.rewards.RewardModel` batch_size)."""
+
+
+def logprob_scoring_bytes(
+    arch: Arch,
+    params: ParamCount,
+    p: Precision,
+    *,
+    batch: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_weight_copies: bool,
+) -> int:
+    """Working memory of a no-grad `sequence_logprobs` call (reference or old log-probs) of `batch` rows.
+
+    `cached_weight_copies`: the model's parameters require grad (the policy), so autocast caches a
+    low-precision copy of every matmul weight until the autocast block ends; for the frozen reference
+    it casts one weight at a time.
+    """
+    b, s, c = batch, prompt_tokens + completion_tokens, completion_tokens + 1
+    a = p.compute_bytes
+    layer = inference_layer_bytes_per_token(arch, p, s) * b * s + b * s * s
+    logits = b * c * arch.vocab_size * a * (2 if arch.final_logit_softcap else 1)
+    chunk = 3 * chunk_elements(b, completion_tokens, arch.vocab_size) * 4
+    if p.autocast:
+        copies = params.matmul * a if cached_weight_copies else params.largest_matmul * a
+    else:
+        copies = 0
+    return max(layer, logits + chunk) + copies + 3 * b * completion_tokens * 4
+
+
+def reward_model_bytes(arch: Arch, p: Precision, *, batch: int, tokens: int) -> int:
+    """Working memory of one reward-model forward (sequence classification: no vocabulary logits)."""
+    return inference_layer_bytes_per_token(arch, p, tokens) * batch * tokens + batch * tokens * tokens
+
+
+def kv_cache_bytes(arch: Arch, *, dtype_bytes: int, tokens: int, sequences: int) -> int:
+    """2 (k, v) x layers x kv_heads x head_dim x bytes x tokens x sequences."""
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * tokens * sequences
+
+
+FUSE_LIMIT_BYTES = 1 << 30
+"""Mirror of `gpufleet.rl.fastdecode._FUSE_LIMIT_BYTES`: the fast decoder concatenates q/k/v and
+gate/up weights only when the copies take at most this much."""
+
+FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""model_type values `gpufleet.rl.fastdecode.FastDecoder` runs (plain float32 models only)."""
+
+
+def fast_decode_copies(arch: Arch, p: Precision, *, wrapped: bool) -> int:
+    """Bytes of the fused q/k/v and gate/up weights the fast decoder builds for one `generate` call
+    (0 where it does not run: other families, non-float32 weights, an FSDP-wrapped policy)."""
+    if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights != "float32":
+        return 0
+    h = arch.hidden_size
+    per_layer = h * arch.q_dim + 2 * h * arch.kv_dim + 2 * h * arch.intermediate_size
+    if arch.qkv_bias:
+        per_layer += arch.q_dim + 2 * arch.kv_dim
+    copies = per_layer * arch.num_layers * 4
+    return copies if copies <= FUSE_LIMIT_BYTES else 0
+
+
+def rollout_bytes(
+    arch: Arch,
+    p: Precision,
+    *,
+    sequences: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    weight_copies: int = 0,
+) -> dict[str, int]:
+    """Memory of `generate` on one policy rank: `sequences` rows sampled at once, outside autocast.
+
+    The KV cache is counted at full length for the whole phase (the fast decoder preallocates it;
+    the Hugging Face path grows it to the same size, with one layer's concatenation copy on top). Peak:
+    the cache + the fast decoder's fused weights (`weight_copies`) + the larger of the prefill's
+    working set and the sampler's temporaries.
+    """
+    w = p.weight_bytes
+    full = kv_cache_bytes(arch, dtype_bytes=w, tokens=prompt_tokens + completion_tokens, sequences=sequences)
+    infer = Precision(p.weights, p.weights)
+    prefill = (
+        inference_layer_bytes_per_token(arch, infer, prompt_tokens) * sequences * prompt_tokens
+        + sequences * prompt_tokens * prompt_tokens
+    )
+    sampling = sequences * arch.vocab_size * 32  # fp32 logits/temperature/probs, fp64 cdf, top-p sort
+    cat_copy = full // max(arch.num_layers, 1)
+    peak = full + weight_copies + max(prefill, cat_copy + sampling)
+    return {
+        "kv_cache": full,
+        "prefill": prefill,
+        "sampling": sampling,
+        "decoder_weight_copies": weight_copies,
+        "peak": peak,
+    }
