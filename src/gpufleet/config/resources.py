@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 from pathlib import Path
 
+from gpufleet import datafile
 from gpufleet.config.checks import Context, _err, _warn, rule
 from gpufleet.modelinfo import looks_like_hub_id
 
-DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+DATA_EXTENSIONS = datafile.FORMATS
 
 
 @rule
@@ -164,49 +164,18 @@ def data_available(ctx: Context):
                 "fix the path (a .jsonl, .json, .parquet or .csv file)",
             )
         return
-    if p.is_file() and p.suffix.lower() not in DATA_EXTENSIONS:
-        yield _err(
-            [ctx.ref("data.path")],
-            f"{p.suffix or 'no extension'} is not a data format gpufleet reads.",
-            "convert it to .jsonl, .json, .parquet or .csv",
-        )
-        return
-    columns = _columns(p)
-    if columns is not None and data.prompt_field not in columns:
-        import difflib
-
-        likely = [
-            c
-            for c in ("prompt", "question", "query", "problem", "instruction", "input", "text")
-            if c in columns
-        ]
-        close = difflib.get_close_matches(data.prompt_field, columns, n=1) or likely or columns[:1]
-        hint = f"--set data.prompt_field={close[0]}" if close else "add a prompt column to the file"
-        yield _err(
-            [ctx.ref("data.prompt_field"), ctx.ref("data.path")],
-            f"{p.name} has no column {data.prompt_field!r} (columns: {', '.join(columns[:10])}).",
-            hint,
-        )
-
-
-def _columns(p: Path) -> list[str] | None:
-    """Column names from the first record/header (None when they cannot be read cheaply)."""
     try:
-        if p.suffix == ".jsonl":
-            with p.open(encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        rec = json.loads(line)
-                        return list(rec) if isinstance(rec, dict) else []
-            return []
-        if p.suffix == ".csv":
-            import csv
-
-            with p.open(encoding="utf-8", newline="") as f:
-                return next(csv.reader(f), [])
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return None
+        found = datafile.scan(p, data.prompt_field, max_rows=datafile.check_limit(p))
+    except datafile.DataFileError as e:
+        refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
+        yield _err(refs, e.why, e.fix)
+        return
+    if not found.complete:
+        yield _warn(
+            [ctx.ref("data.path")],
+            f"{p.name} is over {datafile.FULL_CHECK_BYTES >> 20} MiB: check parsed its first {found.count} "
+            "rows; the rest is checked the same way when train loads it.",
+        )
 
 
 # ---------------------------------------------------------------------------------------- output
