@@ -36,7 +36,7 @@ def import_function(name: str, columns: Sequence[str] | None = None) -> Callable
         raise _error(
             name,
             f"{where} defines no {attr!r}" + (f" (it has {', '.join(sorted(public)[:8])})" if public else ""),
-            "check the function name",
+            "check the name: module:function names a function defined in that module",
         )
     fn = getattr(module, attr)
     if not callable(fn):
@@ -72,8 +72,8 @@ def _import(name: str, module_name: str):
             raise _error(
                 name,
                 f"no module {module_name!r} in {here} or on PYTHONPATH",
-                f"run gpufleet from the folder that holds {module_name.split('.')[0]}.py, or add that folder "
-                "to PYTHONPATH",
+                f"give module:function with an importable module: run gpufleet from the folder that holds "
+                f"{module_name.split('.')[0]}.py, or add that folder to PYTHONPATH",
             ) from None
         raise _import_failed(name, module_name, e) from None
     except SyntaxError as e:
