@@ -6,6 +6,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpufleet import datafile
 from gpufleet.cli import main
 from gpufleet.config.schema import SECTIONS, field_paths
 
@@ -83,3 +84,39 @@ def test_random_text_as_job(tmp_path, capsys, text):
     except UnicodeEncodeError:
         return
     _run(tmp_path, capsys, text, {}, [], "check")
+
+
+data_lines = st.one_of(
+    st.binary(max_size=40),
+    st.sampled_from(
+        [
+            b'{"prompt": "a"}',
+            b'{"prompt": 1}',
+            b"{not json",
+            b'"a',
+            b"prompt,x",
+            b"a,b,c",
+            b"\xff\xfe",
+            b"[",
+            b"]",
+        ]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lines=st.lists(data_lines, max_size=6),
+    suffix=st.sampled_from(datafile.FORMATS),
+    keep=st.booleans(),
+)
+def test_random_data_file_bytes(tmp_path, lines, suffix, keep):
+    """Any bytes in a data file: rows, or the one-line DataFileError; never another exception."""
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(b"\n".join(lines))
+    try:
+        found = datafile.scan(path, "prompt", keep=keep)
+    except datafile.DataFileError as e:
+        assert str(e).startswith("data.") and "\n" not in str(e)
+    else:
+        assert found.count >= 1 and "prompt" in found.columns

@@ -120,3 +120,136 @@ def read_model_info(path: str, env: Mapping[str, str] | None = None) -> ModelInf
     except (OSError, ValueError):
         return None
     return from_config(raw, str(cfg)) if isinstance(raw, dict) else None
+
+
+# --------------------------------------------------------------------------- a local model folder
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+GENERIC_TOKENIZERS = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+"""tokenizer_class values with no built-in eos token: the eos must come from the files."""
+
+ROUND_TRIP_PROBES = ("  a", "a  b", " a b", "a\nb", "a\n\nb", "A b", "1+2=3", "x = (y)")
+"""Texts a tokenizer should give back unchanged: rewards see the decoded completion, not the ids."""
+
+
+def read_json_file(file: Path) -> tuple[Any, str | None]:
+    """(data, None), or (None, why) with the line and column of a JSON error."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8")), None
+    except json.JSONDecodeError as e:
+        return None, f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except UnicodeDecodeError:
+        return None, f"{file} is not UTF-8 text"
+    except OSError as e:
+        return None, f"{file} cannot be read ({e.strerror or e})"
+
+
+def folder_problems(folder: Path) -> list[tuple[str, str]]:
+    """(why, fix) for each file a model folder lacks or holds broken; [] for a usable folder."""
+    if not (folder / "config.json").is_file():
+        return [
+            (
+                f"{folder} is not a model folder (no config.json in it).",
+                "point it at the folder save_pretrained wrote, or at a hub id like Qwen/Qwen2.5-0.5B-Instruct",
+            )
+        ]
+    problems = []
+    config, why = read_json_file(folder / "config.json")
+    if why:
+        problems.append((why + ".", "fix config.json (save_pretrained writes it)"))
+    elif not isinstance(config, dict) or not config.get("model_type"):
+        problems.append(
+            (
+                f"{folder / 'config.json'} has no model_type, so no architecture can be chosen.",
+                'add "model_type" (e.g. "qwen2", "llama") to config.json',
+            )
+        )
+    if not any((folder / n).is_file() for n in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
+        problems.append(
+            (
+                f"{folder} holds no weights ({', '.join(WEIGHT_FILES[:3])}).",
+                "copy the weight files in, or save the model with save_pretrained",
+            )
+        )
+    problems.extend(_tokenizer_problems(folder))
+    return problems
+
+
+def _tokenizer_problems(folder: Path) -> list[tuple[str, str]]:
+    fix = "save the tokenizer into the folder (tokenizer.save_pretrained(folder))"
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        return [(f"{folder} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}).", fix)]
+    problems, settings = [], {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+        if (folder / name).is_file():
+            data, why = read_json_file(folder / name)
+            if why:
+                problems.append((why + ".", f"fix {name}, or {fix}"))
+            elif name != "tokenizer.json" and isinstance(data, dict):
+                settings = {**data, **settings}
+            elif name == "tokenizer.json" and (why := _unloadable(folder / name)):
+                problems.append((why, f"fix {name}, or {fix}"))
+    if (
+        not problems
+        and settings.get("tokenizer_class") in GENERIC_TOKENIZERS
+        and not settings.get("eos_token")
+    ):
+        problems.append(
+            (
+                f"the tokenizer in {folder} has no eos token, so no completion could ever end.",
+                'set "eos_token" in its tokenizer_config.json (e.g. "</s>" or "<|endoftext|>")',
+            )
+        )
+    return problems
+
+
+def _unloadable(file: Path) -> str | None:
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        return f"{file} cannot be loaded ({(str(e).splitlines() or [type(e).__name__])[0]})."
+    return None
+
+
+def round_trip_note(encode, decode) -> str | None:
+    """What a tokenizer changes in ROUND_TRIP_PROBES, with one example; None when it keeps them all."""
+    changed = []
+    for text in ROUND_TRIP_PROBES:
+        try:
+            back = decode(encode(text))
+        except Exception as e:  # a tokenizer that cannot encode a probe: that is what is lost
+            back = f"<{type(e).__name__}>"
+        if back != text:
+            changed.append((text, back))
+    if not changed:
+        return None
+    text, back = changed[0]
+    return (
+        f"the tokenizer does not give text back exactly: {text!r} decodes as {back!r} "
+        f"({len(changed)} of {len(ROUND_TRIP_PROBES)} probes change); reward functions see the decoded text."
+    )
+
+
+def file_round_trip_note(folder: Path) -> str | None:
+    """`round_trip_note` of the folder's tokenizer.json read by the `tokenizers` library (no torch)."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception:  # unreadable tokenizer.json: folder_problems reports it, transformers decides at train
+        return None
+    return round_trip_note(
+        lambda t: tok.encode(t, add_special_tokens=False).ids,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )

@@ -6,16 +6,17 @@ torch and transformers are imported inside the functions, so importing this modu
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpufleet.builtin_models import builtin_name, is_builtin, materialize
+from gpufleet.errors import UserError
+from gpufleet.modelinfo import file_round_trip_note, round_trip_note
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-ROUND_TRIP_PROBE = " a b\n1+2=3"
-"""Text every loaded tokenizer must give back unchanged (leading space, inner spaces, a newline)."""
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -25,38 +26,46 @@ def resolve_model_path(path: str) -> str:
     return str(materialize(builtin_name(path))) if is_builtin(path) else str(path)
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer saved with a model, checked to round-trip ``ROUND_TRIP_PROBE``, with pad/eos set.
+def load_tokenizer(path: str, field: str = "model.path") -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model, with pad/eos set; a folder it cannot come from is a UserError.
 
     ``AutoTokenizer`` is not trusted blindly: in transformers 5.23 a folder whose config says
     ``model_type: qwen2`` gets a ``Qwen2Tokenizer`` (byte-level BPE) rebuilt from the vocab, whatever
     tokenizer.json holds, and a character-level vocab then silently loses its spaces. So a folder whose
     tokenizer.json is a WordLevel (character-level) model is loaded as exactly that file; anything else
-    goes through ``AutoTokenizer``. The pad token falls back to the eos token.
+    goes through ``AutoTokenizer``. The pad token falls back to the eos token. A tokenizer that does not
+    give text back exactly is a warning, not an error (`modelinfo.round_trip_note`): `gpufleet check`
+    reports it from tokenizer.json, and this prints it (rank 0) only when what is loaded here differs.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     resolved = resolve_model_path(path)
-    if _tokenizer_json_model_type(resolved) == "WordLevel":
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(resolved)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
-
+    try:
+        if _tokenizer_json_model_type(resolved) == "WordLevel":
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(resolved)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(resolved)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"cannot load the tokenizer in {resolved}: {first}",
+            field=field,
+            fix="save the tokenizer into that folder (tokenizer.save_pretrained(folder))",
+        ) from None
     if tokenizer.eos_token is None:
-        raise ValueError(
-            f"tokenizer at {resolved!r} has no eos token; set eos_token in its tokenizer_config.json"
+        raise UserError(
+            f"the tokenizer in {resolved} has no eos token, so no completion could ever end.",
+            field=field,
+            fix='set "eos_token" in its tokenizer_config.json',
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-
-    ids = tokenizer.encode(ROUND_TRIP_PROBE, add_special_tokens=False)
-    back = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    if back != ROUND_TRIP_PROBE:
-        raise ValueError(
-            f"tokenizer at {resolved!r} ({type(tokenizer).__name__}) does not round-trip text: "
-            f"{ROUND_TRIP_PROBE!r} came back as {back!r}; rewards computed on decoded completions "
-            "would be wrong. Check tokenizer.json / tokenizer_config.json in that folder."
-        )
+    note = round_trip_note(
+        lambda t: tokenizer.encode(t, add_special_tokens=False),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+    )
+    if note and os.environ.get("RANK", "0") == "0" and note != file_round_trip_note(Path(resolved)):
+        print(f"warning: {field}: {note} Training goes on.", file=sys.stderr, flush=True)
     return tokenizer
 
 
@@ -74,7 +83,16 @@ def load_causal_lm(path: str, *, dtype: str = "float32", device: str = "cpu") ->
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     # transformers 5.x: the keyword is `dtype` (`torch_dtype` is deprecated).
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))
+    resolved = resolve_model_path(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, KeyError) as e:  # missing/partial weights, unknown model_type
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"cannot load the model in {resolved}: {first}",
+            field="model.path",
+            fix="point model.path at a complete folder that save_pretrained wrote",
+        ) from None
     return model.to(device)
 
 

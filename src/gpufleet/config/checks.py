@@ -346,19 +346,14 @@ def algorithm_sanity(ctx: Context):
 
 @rule
 def schedule_sanity(ctx: Context):
-    t, o = ctx.job.train, ctx.job.output
+    t = ctx.job.train
     if t.warmup_steps >= t.max_steps:
         yield _warn(
             [ctx.ref("train.warmup_steps"), ctx.ref("train.max_steps")],
             f"warm-up {t.warmup_steps} steps >= max_steps {t.max_steps}: the peak learning rate is never reached.",
             f"--set train.warmup_steps={t.max_steps // 10}",
         )
-    if o.save_every > t.max_steps:
-        yield _warn(
-            [ctx.ref("output.save_every"), ctx.ref("train.max_steps")],
-            f"save_every {o.save_every} > max_steps {t.max_steps}: only the final checkpoint is written.",
-            f"--set output.save_every={max(t.max_steps // 4, 1)}",
-        )
+    # save_every > max_steps is not warned about: "only the final checkpoint" is what a short run wants.
 
 
 def _fit(ctx: Context):

@@ -1,21 +1,20 @@
 """Rules about things outside the job file: model folders, reward modules, data files, run directories.
 
-They look, never load: a reward `module:function` is found by reading the module's source, a data
-file's columns from its first record or header. Registered with `gpufleet.config.checks.rule`.
+Reward modules are imported, as train will import them (an import error can only be found that way;
+see `gpufleet.usercode`); data files are parsed by `gpufleet.datafile` (bounded, as the loader does);
+model folders are read file by file, never loaded (no torch). Registered with `gpufleet.config.checks.rule`.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import json
-import os
 from pathlib import Path
 
+from gpufleet import datafile, modelinfo, usercode
 from gpufleet.config.checks import Context, _err, _warn, rule
+from gpufleet.errors import UserError
 from gpufleet.modelinfo import looks_like_hub_id
 
-DATA_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+DATA_EXTENSIONS = datafile.FORMATS
 
 
 @rule
@@ -34,11 +33,15 @@ def model_path_exists(ctx: Context):
             continue
         local = Path(path).expanduser()
         if local.exists():
-            if not (local / "config.json").is_file():
-                yield _err(
+            problems = modelinfo.folder_problems(local)
+            for why, fix in problems:
+                yield _err([ctx.ref(field)], why, fix)
+            note = None if problems else modelinfo.file_round_trip_note(local)
+            if note:
+                yield _warn(
                     [ctx.ref(field)],
-                    f"{path} is not a model folder (no config.json in it).",
-                    "point it at the folder save_pretrained wrote, or at a hub id like Qwen/Qwen2.5-0.5B-Instruct",
+                    note + " Training goes on.",
+                    "fine if your rewards do not depend on the lost text; otherwise use a tokenizer that keeps it",
                 )
         elif not looks_like_hub_id(path):
             yield _err(
@@ -69,15 +72,13 @@ def rewards_resolvable(ctx: Context):
             "--set reward.functions=my_rewards:accuracy (a module:function on your PYTHONPATH)",
         )
     known = tasks.reward_names()
+    columns = _reward_columns(ctx) if any(":" in n for n in names) else None
     for name in names:
         if ":" in name:
-            why = _import_path_problem(name)
-            if why:
-                yield _err(
-                    [ctx.ref("reward.functions")],
-                    f"reward function {name!r}: {why}.",
-                    "give module:function where module is importable (run from its folder or set PYTHONPATH)",
-                )
+            try:
+                usercode.import_function(name, columns)
+            except usercode.RewardImportError as e:
+                yield _err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name not in known:
             import difflib
 
@@ -101,35 +102,24 @@ def rewards_resolvable(ctx: Context):
         )
 
 
-def _import_path_problem(path: str) -> str | None:
-    """Why `module:function` cannot be resolved, without running the module when its source is readable."""
-    module, _, attr = path.partition(":")
-    if not module or not attr or not attr.isidentifier():
-        return "write it as module:function"
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as e:
-        return f"module {module!r} cannot be found ({e})"
-    if spec is None:
-        return f"module {module!r} is not importable from here"
-    origin = spec.origin
-    if origin and origin.endswith(".py") and os.path.isfile(origin):
+def _reward_columns(ctx: Context) -> list[str] | None:
+    """The dataset columns a reward function receives by keyword; None when they cannot be read."""
+    from gpufleet import tasks
+
+    data = ctx.job.data
+    if data.path.startswith("builtin:"):
+        task = tasks.TASKS.get(data.path[len("builtin:") :])
+        if task is None:
+            return None
+        names, field = list(task.make_example(0, ctx.job.train.seed)), "prompt"
+    else:
         try:
-            tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
-        except (SyntaxError, OSError, UnicodeDecodeError) as e:
-            return f"{origin} cannot be parsed ({e})"
-        names = set()
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names.update(t.id for t in targets if isinstance(t, ast.Name))
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        if attr not in names:
-            return f"{origin} defines no {attr!r}"
-    return None
+            names = datafile.scan(data.path, data.prompt_field, max_rows=100).columns
+        except UserError:  # the data rule reports it
+            return None
+        field = data.prompt_field
+    skip = {field, "prompt", "completion", "prompts", "completions"}
+    return [c for c in names if c not in skip]
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -164,49 +154,18 @@ def data_available(ctx: Context):
                 "fix the path (a .jsonl, .json, .parquet or .csv file)",
             )
         return
-    if p.is_file() and p.suffix.lower() not in DATA_EXTENSIONS:
-        yield _err(
-            [ctx.ref("data.path")],
-            f"{p.suffix or 'no extension'} is not a data format gpufleet reads.",
-            "convert it to .jsonl, .json, .parquet or .csv",
-        )
-        return
-    columns = _columns(p)
-    if columns is not None and data.prompt_field not in columns:
-        import difflib
-
-        likely = [
-            c
-            for c in ("prompt", "question", "query", "problem", "instruction", "input", "text")
-            if c in columns
-        ]
-        close = difflib.get_close_matches(data.prompt_field, columns, n=1) or likely or columns[:1]
-        hint = f"--set data.prompt_field={close[0]}" if close else "add a prompt column to the file"
-        yield _err(
-            [ctx.ref("data.prompt_field"), ctx.ref("data.path")],
-            f"{p.name} has no column {data.prompt_field!r} (columns: {', '.join(columns[:10])}).",
-            hint,
-        )
-
-
-def _columns(p: Path) -> list[str] | None:
-    """Column names from the first record/header (None when they cannot be read cheaply)."""
     try:
-        if p.suffix == ".jsonl":
-            with p.open(encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        rec = json.loads(line)
-                        return list(rec) if isinstance(rec, dict) else []
-            return []
-        if p.suffix == ".csv":
-            import csv
-
-            with p.open(encoding="utf-8", newline="") as f:
-                return next(csv.reader(f), [])
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return None
+        found = datafile.scan(p, data.prompt_field, max_rows=datafile.check_limit(p))
+    except datafile.DataFileError as e:
+        refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
+        yield _err(refs, e.why, e.fix)
+        return
+    if not found.complete:
+        yield _warn(
+            [ctx.ref("data.path")],
+            f"{p.name} is over {datafile.FULL_CHECK_BYTES >> 20} MiB: check parsed its first {found.count} "
+            "rows; the rest is checked the same way when train loads it.",
+        )
 
 
 # ---------------------------------------------------------------------------------------- output

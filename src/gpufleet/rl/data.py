@@ -11,10 +11,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from gpufleet import datafile
 from gpufleet.config.schema import DataSection
 from gpufleet.errors import UserError
-
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class PromptSource:
@@ -35,19 +34,8 @@ class PromptSource:
                 ) from None
             self.field = "prompt"
         else:
-            self.rows = _load_rows(cfg.path)
+            self.rows = _load_rows(cfg.path, cfg.prompt_field)
             self.field = cfg.prompt_field
-            columns = list(self.rows.column_names)
-            if self.field not in columns:
-                raise UserError(
-                    f"{cfg.path} has no column {self.field!r} (columns: {', '.join(columns)}).",
-                    field="data.prompt_field",
-                    fix=f"--set data.prompt_field={columns[0] if columns else '<column>'}",
-                )
-            if len(self.rows) == 0:
-                raise UserError(
-                    f"{cfg.path} holds no rows.", field="data.path", fix="give a dataset with prompts"
-                )
         self._perm: dict[int, list[int]] = {}
 
     def _row(self, position: int) -> dict[str, Any]:
@@ -81,24 +69,17 @@ class PromptSource:
         return list(self.task.default_rewards) if self.task is not None else []
 
 
-def _load_rows(path: str):
+def _load_rows(path: str, prompt_field: str):
+    """A local file through `datafile.scan` (every row checked, as `gpufleet check` does), else a hub
+    dataset through `datasets` (its rows are checked one by one as they are used, in `_row`)."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return datafile.scan(p, prompt_field, keep=True)
     import datasets
 
     datasets.disable_progress_bars()
-    p = Path(path).expanduser()
     try:
-        if p.exists():
-            fmt = FORMATS.get(p.suffix.lower())
-            if fmt is None:
-                raise UserError(
-                    f"{path}: unknown format {p.suffix!r}.",
-                    field="data.path",
-                    fix="use a .jsonl, .json, .parquet or .csv file",
-                )
-            return datasets.load_dataset(fmt, data_files=str(p), split="train")
-        return datasets.load_dataset(path, split="train")
-    except UserError:
-        raise
+        rows = datasets.load_dataset(path, split="train")
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
@@ -106,3 +87,13 @@ def _load_rows(path: str):
             field="data.path",
             fix="give a readable local .jsonl/.json/.parquet/.csv file or a reachable hub dataset",
         ) from None
+    columns = list(rows.column_names)
+    if prompt_field not in columns:
+        raise UserError(
+            f"{path} has no column {prompt_field!r} (columns: {', '.join(columns)}).",
+            field="data.prompt_field",
+            fix=f"--set data.prompt_field={columns[0] if columns else '<column>'}",
+        )
+    if len(rows) == 0:
+        raise UserError(f"{path} holds no rows.", field="data.path", fix="give a dataset with prompts")
+    return rows

@@ -7,7 +7,6 @@ becomes NaN, which the weighted sum ignores (`advantages.combine_rewards`).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 
 from gpufleet.config.schema import RewardSection
 from gpufleet.errors import UserError
+from gpufleet.usercode import import_function
 
 
 def resolve_function(name: str) -> Callable:
@@ -29,26 +29,7 @@ def resolve_function(name: str) -> Callable:
             raise UserError(
                 str(e), field="reward.functions", fix="use module:function or a built-in name"
             ) from None
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise UserError(
-            f"reward function {name!r}: cannot import {module!r} ({e}).",
-            field="reward.functions",
-            fix="run from the module's folder or add it to PYTHONPATH",
-        ) from None
-    except AttributeError:
-        raise UserError(
-            f"reward function {name!r}: {module} has no {attr!r}.",
-            field="reward.functions",
-            fix="check the function name",
-        ) from None
-    if not callable(fn):
-        raise UserError(
-            f"reward function {name!r} is not callable.", field="reward.functions", fix="name a function"
-        )
-    return fn
+    return import_function(name)
 
 
 class RewardModel:
@@ -60,7 +41,7 @@ class RewardModel:
         from gpufleet.models import load_tokenizer, resolve_model_path
 
         resolved = resolve_model_path(path)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, field="reward.model")
         self.model = AutoModelForSequenceClassification.from_pretrained(resolved).to(device).eval()
         if self.model.config.num_labels != 1:
             raise UserError(

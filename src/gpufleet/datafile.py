@@ -1,0 +1,364 @@
+"""A local data file (.jsonl / .json / .csv / .parquet): validated and read by ONE parser.
+
+`gpufleet check` and the trainer's loader both call `scan`, so they cannot disagree: check parses a
+file up to FULL_CHECK_BYTES completely and, beyond that, its first CHECK_HEAD_ROWS rows; the loader
+parses all of it with the same code, so a problem past the head is the same one-line error at load.
+Memory stays bounded while checking: a line (or CSV record) over MAX_LINE_BYTES is refused by number.
+
+Every problem is a `DataFileError` (a `UserError`) naming the file, the line / row, what is wrong and
+the fix. Text formats are UTF-8 (a UTF-8 byte-order mark is allowed); CSV cells stay strings.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufleet.errors import UserError
+
+FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+MAX_LINE_BYTES = 1 << 20
+FULL_CHECK_BYTES = 64 << 20
+CHECK_HEAD_ROWS = 10_000
+
+
+class DataFileError(UserError):
+    """A problem with the data file; `why` and `fix` separately for `gpufleet check`'s report."""
+
+    def __init__(self, why: str, fix: str, field: str = "data.path"):
+        self.why = why
+        super().__init__(why, field=field, fix=fix)
+
+
+@dataclass
+class Scan:
+    """What one pass over the file found: the columns, the rows (kept only when loading), how many."""
+
+    columns: list[str]
+    count: int = 0
+    complete: bool = True
+    rows: list[dict[str, Any]] | None = None
+    table: Any = None  # a pyarrow Table for .parquet when loading
+    _seen: set[str] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.table is not None:
+            return self.table.slice(index, 1).to_pylist()[0]
+        assert self.rows is not None, "scan(..., keep=True) keeps the rows"
+        return self.rows[index]
+
+
+def check_limit(path: Path) -> int | None:
+    """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES, else the first CHECK_HEAD_ROWS."""
+    try:
+        return None if path.stat().st_size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
+    except OSError:
+        return None
+
+
+def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, keep: bool = False) -> Scan:
+    """Parse `path` (at most `max_rows` rows), checking every row's prompt; `keep`: hold the rows."""
+    p = Path(path).expanduser()
+    name = str(path)
+    if p.is_dir():
+        raise DataFileError(
+            f"{name} is a folder, not a data file.", "name one .jsonl/.json/.csv/.parquet file"
+        )
+    suffix = p.suffix.lower()
+    if suffix not in FORMATS:
+        raise DataFileError(
+            f"{name}: {suffix or 'no extension'} is not a data format gpufleet reads.",
+            "convert it to .jsonl, .json, .parquet or .csv",
+        )
+    try:
+        if suffix == ".parquet":
+            return _scan_parquet(p, name, prompt_field, max_rows, keep)
+        with p.open("rb") as f:
+            result = _scan_text(f, name, suffix, prompt_field, max_rows, keep)
+    except OSError as e:
+        raise DataFileError(
+            f"{name} cannot be read ({e.strerror or e}).", "check the path and its permissions"
+        ) from None
+    return result
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+
+def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -> bool:
+    """One record: an object whose prompt is a non-empty string or a list of chat messages. False when
+    it lacks the prompt key and no row before it had one (the column may not exist at all)."""
+    if not isinstance(rec, dict):
+        raise DataFileError(
+            f"{name} {where}: a record must be an object with a {prompt_field!r} key, not {_kind(rec)}.",
+            'write one object per line, e.g. {"' + prompt_field + '": "..."}',
+        )
+    for key in rec:
+        if key not in s._seen:
+            s._seen.add(key)
+            s.columns.append(key)
+    if prompt_field not in rec:
+        if prompt_field not in s._seen:
+            return False  # maybe the column does not exist at all: decided at the end (`_finish`)
+        raise DataFileError(
+            f"{name} {where} has no {prompt_field!r} (the rows before it have one).",
+            f"add {prompt_field!r} to that row or remove the row",
+            field="data.prompt_field",
+        )
+    value = rec[prompt_field]
+    if isinstance(value, str) and value:
+        return True
+    chat = (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value)
+    )
+    if not chat:
+        raise DataFileError(
+            f"{name} {where}: {prompt_field!r} is {_kind(value)}; a prompt is a non-empty string "
+            "or a list of chat messages ({'role': ..., 'content': '...'}).",
+            "fix that row, or point data.prompt_field at the text column",
+            field="data.prompt_field",
+        )
+    return True
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "an empty string" if not value else "a string"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list that is not chat messages"
+    return f"{type(value).__name__ if not isinstance(value, dict) else 'an object'}"
+
+
+def _finish(name: str, prompt_field: str, s: Scan, first_missing: str | None) -> Scan:
+    if s.count == 0:
+        raise DataFileError(f"{name} holds no rows.", "give a file with at least one prompt")
+    if prompt_field not in s._seen:
+        raise _no_column(name, prompt_field, s.columns)
+    if first_missing is not None:  # the first rows lacked the prompt, a later one had it
+        raise DataFileError(
+            f"{name} {first_missing} has no {prompt_field!r} (other rows have one).",
+            f"add {prompt_field!r} to that row or remove the row",
+            field="data.prompt_field",
+        )
+    return s
+
+
+def _no_column(name: str, prompt_field: str, columns: list[str]) -> DataFileError:
+    import difflib
+
+    likely = [
+        c for c in ("prompt", "question", "query", "problem", "instruction", "input", "text") if c in columns
+    ]
+    close = difflib.get_close_matches(prompt_field, columns, n=1) or likely or columns[:1]
+    return DataFileError(
+        f"{name} has no column {prompt_field!r} (columns: {', '.join(columns[:10]) or 'none'}).",
+        f"--set data.prompt_field={close[0]}" if close else "add a prompt column to the file",
+        field="data.prompt_field",
+    )
+
+
+# ------------------------------------------------------------------------------------ text formats
+
+
+def _lines(f, name: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file, each line read with a bounded buffer."""
+    start = f.read(4)
+    if start[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise DataFileError(
+            f"{name} is UTF-16 encoded (it starts with a UTF-16 byte-order mark).", _utf8_fix("utf-16")
+        )
+    f.seek(3 if start[:3] == b"\xef\xbb\xbf" else 0)
+    number = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 2)
+        if not raw:
+            return
+        number += 1
+        body = raw.rstrip(b"\r\n")
+        if len(body) > MAX_LINE_BYTES:
+            raise DataFileError(
+                f"{name} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB.",
+                "split or shorten that record (is the file really one record per line?)",
+            )
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _encoding_error(name, number, raw, e) from None
+
+
+def _encoding_error(name: str, number: int, raw: bytes, e: UnicodeDecodeError) -> DataFileError:
+    if b"\x00" in raw:
+        guess, source = "it looks UTF-16 (NUL bytes between characters)", "utf-16"
+    else:
+        char = raw[e.start : e.start + 1].decode("cp1252", errors="replace")
+        guess, source = f"it looks Latin-1 / Windows-1252 ({char!r} there)", "cp1252"
+    return DataFileError(
+        f"{name} line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); {guess}.",
+        _utf8_fix(source),
+    )
+
+
+def _utf8_fix(source: str) -> str:
+    return f"re-save it as UTF-8, e.g. iconv -f {source} -t utf-8 FILE > FILE.utf8"
+
+
+def _scan_text(f, name: str, suffix: str, prompt_field: str, max_rows: int | None, keep: bool) -> Scan:
+    lines = _lines(f, name)
+    if suffix == ".csv":
+        records = _csv_records(lines, name)
+    else:
+        first = next(((n, t) for n, t in lines if t.strip()), None)
+        if first is None:
+            raise DataFileError(f"{name} is empty.", "give a file with at least one prompt")
+        records = (
+            _json_array(first, lines, name)
+            if first[1].lstrip().startswith("[")
+            else _json_lines(first, lines, name)
+        )
+    s = Scan(columns=[], rows=[] if keep else None)
+    first_missing = None
+    for where, rec in records:
+        if max_rows is not None and s.count >= max_rows:
+            s.complete = False
+            break
+        if not _check_prompt(name, where, rec, prompt_field, s) and first_missing is None:
+            first_missing = where
+        s.count += 1
+        if keep:
+            s.rows.append(rec)
+    return _finish(name, prompt_field, s, first_missing)
+
+
+def _json_lines(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: str):
+    for number, text in _chain(first, lines):
+        if not text.strip():
+            continue
+        try:
+            yield f"line {number}", json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataFileError(
+                f"{name} line {number} is not valid JSON ({e.msg} at column {e.colno}).",
+                'fix that line: one JSON object per line, e.g. {"prompt": "..."}',
+            ) from None
+
+
+def _json_array(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: str):
+    text = "".join(t for _, t in _chain(first, lines))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataFileError(
+            f"{name} is not valid JSON ({e.msg} at line {e.lineno + first[0] - 1} column {e.colno}).",
+            "fix the JSON there (a list of objects), or write one object per line as .jsonl",
+        ) from None
+    if not isinstance(data, list):
+        raise DataFileError(f"{name} is {_kind(data)}, not a list of records.", "write a list of objects")
+    for i, rec in enumerate(data, 1):
+        yield f"record {i}", rec
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _csv_records(lines: Iterator[tuple[int, str]], name: str):
+    csv.field_size_limit(MAX_LINE_BYTES)
+    counted = _Counted(lines)
+    reader = csv.reader(counted, strict=True)
+    header: list[str] | None = None
+    while True:
+        start = counted.number + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            why = "a quote is never closed" if "end of data" in str(e) or "EOF" in str(e) else str(e)
+            raise DataFileError(
+                f"{name} line {start}: {why}.",
+                'fix the quoting there (a quote inside a field is written "")',
+            ) from None
+        if not row:
+            continue
+        if header is None:
+            header = row
+            doubled = sorted({c for c in row if row.count(c) > 1})
+            if doubled:
+                raise DataFileError(
+                    f"{name}: column {doubled[0]!r} appears twice in the header.", "rename one of them"
+                )
+            continue
+        if len(row) != len(header):
+            raise DataFileError(
+                f"{name} line {start} has {len(row)} fields, the header has {len(header)}.",
+                "quote fields that contain commas, or fix the row",
+            )
+        yield f"line {start}", dict(zip(header, row, strict=True))
+    if header is None:
+        raise DataFileError(f"{name} is empty.", "give a header line and at least one row")
+
+
+class _Counted:
+    """Lines for csv.reader that remember the number of the last line handed out."""
+
+    def __init__(self, lines: Iterator[tuple[int, str]]):
+        self.lines, self.number = lines, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        self.number, text = next(self.lines)
+        return text
+
+
+# ---------------------------------------------------------------------------------------- parquet
+
+
+def _scan_parquet(p: Path, name: str, prompt_field: str, max_rows: int | None, keep: bool) -> Scan:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def broken(e: Exception) -> DataFileError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return DataFileError(
+            f"{name} is not a readable parquet file ({first}).", "re-export it, or use .jsonl"
+        )
+
+    try:
+        pf = pq.ParquetFile(p)
+        columns = list(pf.schema_arrow.names)
+        s = Scan(columns=columns, count=pf.metadata.num_rows, _seen=set(columns))
+        if prompt_field not in columns:
+            raise _no_column(name, prompt_field, columns)
+        if s.count == 0:
+            raise DataFileError(f"{name} holds no rows.", "give a file with at least one prompt")
+        row = 0
+        for batch in pf.iter_batches(columns=[prompt_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                _check_prompt(name, f"row {row}", {prompt_field: value}, prompt_field, s)
+                if max_rows is not None and row >= max_rows:
+                    s.complete = row >= s.count
+                    return s
+        if keep:
+            s.table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as e:
+        raise broken(e) from None
+    return s
