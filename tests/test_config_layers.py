@@ -123,6 +123,7 @@ def test_every_field_documented():
         "placement",
         "launch",
         "output",
+        "script",
     }
 
 

@@ -95,7 +95,7 @@ def _anchor_paths(resolved: Resolved, base: Path) -> None:
     (flags and environment values stay relative to the working directory). They become absolute here,
     so every rank, every message and the run's job.yaml see the same path. A value that names no local
     file (a hub id like Qwen/Qwen2.5-0.5B) is left alone; `output.dir` follows the working directory."""
-    from gpufleet.imports import anchored
+    from gpufleet.usercode import anchored
 
     def local(value: str) -> str:
         if value.startswith("builtin:") or Path(value).expanduser().is_absolute():

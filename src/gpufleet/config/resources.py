@@ -76,7 +76,7 @@ def rewards_resolvable(ctx: Context):
     for name in names:
         if ":" in name:
             try:
-                usercode.import_function(name, columns)
+                usercode.import_function(name, columns, usercode.roots(ctx.r.job_path))
             except usercode.RewardImportError as e:
                 yield _err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name not in known:

@@ -14,7 +14,7 @@ from gpufleet.config.load import load_job
 from gpufleet.config.resources import holds_run
 from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.hardware import hardware_here, resolve_hardware
-from gpufleet.imports import pythonpath, roots, use_roots
+from gpufleet.usercode import pythonpath, roots, use_roots
 
 
 def train_command(
