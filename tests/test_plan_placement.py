@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.config.checks import run_checks
 from gpufleet.config.load import load_job
 from gpufleet.hardware import GiB, parse_gpu_spec
 from gpufleet.plan.change import Change, apply, changes, merge
@@ -21,6 +20,7 @@ from gpufleet.plan.largest import largest_that_fits
 from gpufleet.plan.loads import HEADROOM, Plan, PlanError
 from gpufleet.plan.search import make_plan
 from gpufleet.plan.shape import load_models
+from gpufleet.rules import run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 GSPO = str(ROOT / "examples" / "gspo-3gpu.yaml")

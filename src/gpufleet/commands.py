@@ -32,8 +32,8 @@ def summary(problems: list[Problem]) -> str:
 
 def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
     """`gpufleet check`: print every problem with its fix; exit 2 when any is an error."""
-    from gpufleet.config.checks import run_checks
     from gpufleet.hardware import resolve_hardware
+    from gpufleet.rules import run_checks
 
     hw = resolve_hardware(gpus, env)
     r = load_job(job, sets, env)

@@ -3,7 +3,7 @@
 A job file is YAML with the sections below; every field is optional (defaults are shown by
 `gpufleet config JOB`). The docstring under each field is its documentation: `gpufleet config
 --explain` and the README reference are generated from it. Cross-field rules (divisibility, devices,
-model limits) live in `checks.py`, not here: this module only knows types and ranges.
+model limits) live in `gpufleet/rules/`, not here: this module only knows types and ranges.
 
 This module imports no torch.
 """

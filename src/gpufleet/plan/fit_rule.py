@@ -53,7 +53,7 @@ def _too_full(d: DeviceLoad, models: Models) -> str:
 def fit_problems(ctx) -> list[Problem]:
     """The `gpufleet check` rule: the job must fit every device with 10% headroom.
 
-    `ctx` is `gpufleet.config.checks.Context`. An error when a device is predicted over its memory, a
+    `ctx` is `gpufleet.rules.Context`. An error when a device is predicted over its memory, a
     warning when it keeps less than 10% free, each with fixes verified by planning them. Nothing when
     the model cannot be sized offline (the model.path rule warns about that) or the layout is invalid
     (the topology rules report it).

@@ -1,73 +1,13 @@
-"""Every rule a job must satisfy, checked before anything loads. Rules -> list of Problems.
-
-Each rule is a small function `rule(ctx) -> iterable of Problem`, registered with `@rule`. A rule
-names every field it looked at (with value and source), says why the combination is wrong, and
-computes a fix from the numbers. No torch import here: model facts come from config.json.
-"""
+"""Rules about the job's numbers: batch arithmetic, rollout engine, sequence length, precision, nodes and
+ports, unused roles, algorithm and schedule sanity."""
 
 from __future__ import annotations
 
 import math
-import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 
-from gpufleet.config.load import Resolved
-from gpufleet.config.problems import FieldRef, Problem
-from gpufleet.hardware import Hardware
 from gpufleet.launch.torchrun import free_port
-from gpufleet.modelinfo import ModelInfo
-from gpufleet.topology import Topology, resolve_topology
-
-
-@dataclass
-class Context:
-    r: Resolved
-    hw: Hardware
-    topo: Topology
-    model: ModelInfo | None
-    env: Mapping[str, str]
-
-    @property
-    def job(self):
-        return self.r.job
-
-    def ref(self, path: str) -> FieldRef:
-        return self.r.ref(path)
-
-
-RULES: list[Callable[[Context], Iterable[Problem]]] = []
-
-
-def rule(fn: Callable[[Context], Iterable[Problem]]):
-    RULES.append(fn)
-    return fn
-
-
-def run_checks(
-    r: Resolved, hw: Hardware, env: Mapping[str, str] | None = None
-) -> tuple[list[Problem], Context]:
-    """All problems of a resolved job on this hardware: value problems first, then every rule."""
-    env = os.environ if env is None else env
-    from gpufleet.modelinfo import from_config
-    from gpufleet.plan.known_models import lookup_config
-
-    topo, topo_problems = resolve_topology(r, hw)
-    found = lookup_config(r.job.model.path, env)  # local config.json, else the table of known hub models
-    ctx = Context(r, hw, topo, from_config(*found) if found else None, env)
-    problems = list(r.problems) + topo_problems
-    for fn in RULES:
-        problems.extend(fn(ctx))
-    return problems, ctx
-
-
-def _err(refs, why, fix) -> Problem:
-    return Problem("error", refs, why, fix)
-
-
-def _warn(refs, why, fix="") -> Problem:
-    return Problem("warning", refs, why, fix)
+from gpufleet.rules.registry import Context, err, rule, warn
 
 
 def _listing(values: list[int], limit: int = 12) -> str:
@@ -82,7 +22,7 @@ def _listing(values: list[int], limit: int = 12) -> str:
 def num_generations_at_least_two(ctx: Context):
     g = ctx.job.algorithm.num_generations
     if g < 2:
-        yield _err(
+        yield err(
             [ctx.ref("algorithm.num_generations")],
             f"a group of {g} completion has no spread: its advantage is always 0, so nothing is learned.",
             "--set algorithm.num_generations=8 (any value >= 2; 4-16 is usual)",
@@ -118,7 +58,7 @@ def generation_batch_divisible(ctx: Context):
         + (f" (or {pdb[1]})" if len(pdb) > 1 else "")
         + f": per_device_batch must be a multiple of {step} here"
     )
-    yield _err(
+    yield err(
         [
             ctx.ref("algorithm.num_generations"),
             ctx.ref("train.per_device_batch"),
@@ -140,13 +80,13 @@ def micro_batch_divides(ctx: Context):
         return
     refs = [ctx.ref("train.micro_batch"), ctx.ref("train.per_device_batch")]
     if mb > b:
-        yield _err(
+        yield err(
             refs, f"micro_batch {mb} is larger than per_device_batch {b}.", f"--set train.micro_batch={b}"
         )
     elif b % mb:
         divisors = [d for d in range(1, b + 1) if b % d == 0]
         near = max(d for d in divisors if d <= mb)
-        yield _err(
+        yield err(
             refs,
             f"per_device_batch {b} is not a whole number of micro-batches of {mb} "
             f"({b}/{mb} = {b / mb:.2f} gradient-accumulation steps).",
@@ -161,7 +101,7 @@ def micro_batch_divides(ctx: Context):
 def rollout_engine(ctx: Context):
     ro = ctx.job.rollout
     if ro.engine == "vllm":
-        yield _err(
+        yield err(
             [ctx.ref("rollout.engine")],
             "the vllm rollout engine is not available in this version of gpufleet.",
             "--set rollout.engine=hf (the built-in batched sampler with a KV cache)",
@@ -170,7 +110,7 @@ def rollout_engine(ctx: Context):
     if tp == 1:
         return
     if ro.engine == "hf":
-        yield _err(
+        yield err(
             [ctx.ref("rollout.tensor_parallel_size"), ctx.ref("rollout.engine")],
             f"tensor_parallel_size {tp} needs a tensor-parallel engine; the hf engine generates on each policy rank.",
             "--set rollout.tensor_parallel_size=1",
@@ -178,7 +118,7 @@ def rollout_engine(ctx: Context):
     per_node = len(ctx.topo.policy_devices)
     if per_node and per_node % tp:
         ok = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        yield _err(
+        yield err(
             [ctx.ref("rollout.tensor_parallel_size"), ctx.ref("placement.policy")],
             f"tensor_parallel_size {tp} does not divide the {per_node} rollout ranks per node.",
             f"use one of {_listing(ok)} (--set rollout.tensor_parallel_size={max(ok)})",
@@ -188,7 +128,7 @@ def rollout_engine(ctx: Context):
         for name, heads in (("attention heads", m.num_attention_heads), ("KV heads", m.num_key_value_heads)):
             if heads and heads % tp:
                 ok = [d for d in range(1, heads + 1) if heads % d == 0 and m.num_attention_heads % d == 0]
-                yield _err(
+                yield err(
                     [ctx.ref("rollout.tensor_parallel_size"), ctx.ref("model.path")],
                     f"tensor_parallel_size {tp} does not divide the model's {heads} {name} (config.json).",
                     f"use one of {_listing(ok)}",
@@ -203,7 +143,7 @@ def sequence_fits_model(ctx: Context):
     total = ro.max_prompt_length + ro.max_completion_length
     limit = m.max_position_embeddings
     if total > limit:
-        yield _err(
+        yield err(
             [
                 ctx.ref("rollout.max_prompt_length"),
                 ctx.ref("rollout.max_completion_length"),
@@ -231,13 +171,13 @@ def precision_supported(ctx: Context):
         if lacking:
             d = lacking[0]
             field = "train.precision" if t.precision == "bf16" else "model.dtype"
-            yield _err(
+            yield err(
                 [ctx.ref(field)],
                 f"device {d.index} ({d.name}, compute capability {d.compute_capability}) has no bfloat16 support (needs >= 8.0).",
                 "--set train.precision=fp16 --set model.dtype=float16 (with loss scaling), or fp32",
             )
     if t.precision == "fp16" and ctx.hw.is_cpu:
-        yield _warn(
+        yield warn(
             [ctx.ref("train.precision")],
             "fp16 autocast on the CPU is slow and gains no memory here.",
             "--set train.precision=bf16 (CPU bf16 works) or fp32",
@@ -251,13 +191,13 @@ def precision_supported(ctx: Context):
 def launch_nodes(ctx: Context):
     la = ctx.job.launch
     if la.node_rank >= la.nnodes:
-        yield _err(
+        yield err(
             [ctx.ref("launch.node_rank"), ctx.ref("launch.nnodes")],
             f"node_rank {la.node_rank} does not exist in a {la.nnodes}-node job (ranks 0..{la.nnodes - 1}).",
             f"--set launch.node_rank={la.nnodes - 1} or raise launch.nnodes",
         )
     if la.nnodes > 1 and not la.rdzv_endpoint:
-        yield _err(
+        yield err(
             [ctx.ref("launch.rdzv_endpoint"), ctx.ref("launch.nnodes")],
             f"a {la.nnodes}-node job needs a rendezvous address that every node can reach.",
             "--set launch.rdzv_endpoint=<node0-host>:29400 (Slurm: the first host of $SLURM_JOB_NODELIST)",
@@ -265,7 +205,7 @@ def launch_nodes(ctx: Context):
     if la.rdzv_endpoint:
         host, _, port = la.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            yield _err(
+            yield err(
                 [ctx.ref("launch.rdzv_endpoint")],
                 f"{la.rdzv_endpoint!r} is not host:port.",
                 "--set launch.rdzv_endpoint=node0:29400",
@@ -279,7 +219,7 @@ def master_port(ctx: Context):
     if port == "auto":
         return
     if port < 1024:
-        yield _warn(
+        yield warn(
             [ctx.ref("launch.master_port")],
             f"port {port} is privileged (< 1024); binding it needs root.",
             "--set launch.master_port=auto",
@@ -291,7 +231,7 @@ def master_port(ctx: Context):
         try:
             s.bind((la.master_addr if la.master_addr != "localhost" else "127.0.0.1", port))
         except OSError as e:
-            yield _err(
+            yield err(
                 [ctx.ref("launch.master_port"), ctx.ref("launch.master_addr")],
                 f"port {port} on {la.master_addr} is not free ({e.strerror or e}).",
                 f"--set launch.master_port=auto (or a free one, e.g. {free_port()})",
@@ -305,19 +245,19 @@ def master_port(ctx: Context):
 def unused_roles(ctx: Context):
     pl, algo = ctx.job.placement, ctx.job.algorithm
     if algo.beta == 0 and pl.reference not in ("auto", "colocate"):
-        yield _warn(
+        yield warn(
             [ctx.ref("placement.reference"), ctx.ref("algorithm.beta")],
             "beta is 0, so no reference model is loaded and this placement is not used.",
             "remove placement.reference, or set algorithm.beta (e.g. 0.04) to use a KL penalty",
         )
     if ctx.job.reward.model is None and pl.reward not in ("auto", "colocate"):
-        yield _warn(
+        yield warn(
             [ctx.ref("placement.reward"), ctx.ref("reward.model")],
             "no reward.model is set, so there is nothing to place there (reward functions run on the policy ranks).",
             "remove placement.reward, or set reward.model",
         )
     if pl.strategy == "fsdp" and ctx.topo.policy_ranks == 1:
-        yield _warn(
+        yield warn(
             [ctx.ref("placement.strategy")],
             "fsdp with one policy rank shards nothing.",
             "--set placement.strategy=ddp",
@@ -331,13 +271,13 @@ def unused_roles(ctx: Context):
 def algorithm_sanity(ctx: Context):
     a, ro = ctx.job.algorithm, ctx.job.rollout
     if a.epsilon is not None and a.epsilon_high is not None and a.epsilon_high < a.epsilon:
-        yield _warn(
+        yield warn(
             [ctx.ref("algorithm.epsilon_high"), ctx.ref("algorithm.epsilon")],
             "epsilon_high below epsilon clips improvements harder than regressions (DAPO's clip-higher is the opposite).",
             f"--set algorithm.epsilon_high={a.epsilon}",
         )
     if ro.temperature == 0 and a.num_generations > 1:
-        yield _err(
+        yield err(
             [ctx.ref("rollout.temperature"), ctx.ref("algorithm.num_generations")],
             "temperature 0 is greedy: all completions of a prompt are identical, every advantage is 0.",
             "--set rollout.temperature=1.0",
@@ -348,23 +288,9 @@ def algorithm_sanity(ctx: Context):
 def schedule_sanity(ctx: Context):
     t = ctx.job.train
     if t.warmup_steps >= t.max_steps:
-        yield _warn(
+        yield warn(
             [ctx.ref("train.warmup_steps"), ctx.ref("train.max_steps")],
             f"warm-up {t.warmup_steps} steps >= max_steps {t.max_steps}: the peak learning rate is never reached.",
             f"--set train.warmup_steps={t.max_steps // 10}",
         )
     # save_every > max_steps is not warned about: "only the final checkpoint" is what a short run wants.
-
-
-def _fit(ctx: Context):
-    """Memory: every device must hold what the plan puts on it (see gpufleet.plan)."""
-    from gpufleet.plan.fit_rule import fit_problems
-
-    return fit_problems(ctx)
-
-
-rule(_fit)
-
-
-# Rules about paths, modules and files register themselves on import.
-from gpufleet.config import resources  # noqa: E402, F401

@@ -2,7 +2,7 @@
 
 Reward modules are imported, as train will import them (an import error can only be found that way;
 see `gpufleet.usercode`); data files are parsed by `gpufleet.datafile` (bounded, as the loader does);
-model folders are read file by file, never loaded (no torch). Registered with `gpufleet.config.checks.rule`.
+model folders are read file by file, never loaded (no torch). Registered with `gpufleet.rules.registry.rule`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet import datafile, modelinfo, usercode
-from gpufleet.config.checks import Context, _err, _warn, rule
 from gpufleet.errors import UserError
 from gpufleet.modelinfo import looks_like_hub_id
+from gpufleet.rules.registry import Context, err, rule, warn
 
 DATA_EXTENSIONS = datafile.FORMATS
 
@@ -29,28 +29,28 @@ def model_path_exists(ctx: Context):
             name = builtin_models.builtin_name(path)
             if name not in builtin_models.BUILTIN_MODELS:
                 known = ", ".join(f"builtin:{n}" for n in builtin_models.BUILTIN_MODELS)
-                yield _err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
+                yield err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
             continue
         local = Path(path).expanduser()
         if local.exists():
             problems = modelinfo.folder_problems(local)
             for why, fix in problems:
-                yield _err([ctx.ref(field)], why, fix)
+                yield err([ctx.ref(field)], why, fix)
             note = None if problems else modelinfo.file_round_trip_note(local)
             if note:
-                yield _warn(
+                yield warn(
                     [ctx.ref(field)],
                     note + " Training goes on.",
                     "fine if your rewards do not depend on the lost text; otherwise use a tokenizer that keeps it",
                 )
         elif not looks_like_hub_id(path):
-            yield _err(
+            yield err(
                 [ctx.ref(field)],
                 f"{path!r} is neither a local folder nor a hub id (org/name).",
                 "fix the path, or use a hub id like Qwen/Qwen2.5-0.5B-Instruct",
             )
         elif field == "model.path" and ctx.model is None:
-            yield _warn(
+            yield warn(
                 [ctx.ref(field)],
                 f"{path} is not in the local Hugging Face cache, so the rules that need "
                 "its config.json (heads, context length) were skipped.",
@@ -66,7 +66,7 @@ def rewards_resolvable(ctx: Context):
     names = list(rw.functions)
     builtin_task = data.path.startswith("builtin:")
     if not names and rw.model is None and not builtin_task:
-        yield _err(
+        yield err(
             [ctx.ref("reward.functions"), ctx.ref("reward.model"), ctx.ref("data.path")],
             "no reward: no reward functions, no reward model, and the dataset is not a built-in task.",
             "--set reward.functions=my_rewards:accuracy (a module:function on your PYTHONPATH)",
@@ -78,12 +78,12 @@ def rewards_resolvable(ctx: Context):
             try:
                 usercode.import_function(name, columns, usercode.roots(ctx.r.job_path))
             except usercode.RewardImportError as e:
-                yield _err([ctx.ref("reward.functions")], e.why, e.fix)
+                yield err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name not in known:
             import difflib
 
             close = difflib.get_close_matches(name, known, n=1)
-            yield _err(
+            yield err(
                 [ctx.ref("reward.functions")],
                 f"{name!r} is neither module:function nor a built-in reward.",
                 f"did you mean {close[0]!r}?" if close else f"built-in rewards: {', '.join(known)}",
@@ -94,7 +94,7 @@ def rewards_resolvable(ctx: Context):
         else 0
     )
     if rw.weights is not None and count and len(rw.weights) != count:
-        yield _err(
+        yield err(
             [ctx.ref("reward.weights"), ctx.ref("reward.functions"), ctx.ref("reward.model")],
             f"{len(rw.weights)} weights for {count} rewards.",
             f"give {count} weights (one per function, then the model), e.g. --set reward.weights="
@@ -133,7 +133,7 @@ def data_available(ctx: Context):
     if data.path.startswith("builtin:"):
         name = data.path[len("builtin:") :]
         if name not in tasks.TASKS:
-            yield _err(
+            yield err(
                 [ctx.ref("data.path")],
                 f"there is no built-in task {name!r}.",
                 "use one of " + ", ".join(f"builtin:{n}" for n in tasks.TASKS),
@@ -142,13 +142,13 @@ def data_available(ctx: Context):
     p = Path(data.path).expanduser()
     if not p.exists():
         if looks_like_hub_id(data.path) and p.suffix.lower() not in DATA_EXTENSIONS:
-            yield _warn(
+            yield warn(
                 [ctx.ref("data.path")],
                 "a hub dataset id: it is loaded with datasets.load_dataset at train time.",
                 "for offline runs, save it as a local .jsonl/.parquet file",
             )
         else:
-            yield _err(
+            yield err(
                 [ctx.ref("data.path")],
                 f"{data.path} does not exist.",
                 "fix the path (a .jsonl, .json, .parquet or .csv file)",
@@ -158,10 +158,10 @@ def data_available(ctx: Context):
         found = datafile.scan(p, data.prompt_field, max_rows=datafile.check_limit(p))
     except datafile.DataFileError as e:
         refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
-        yield _err(refs, e.why, e.fix)
+        yield err(refs, e.why, e.fix)
         return
     if not found.complete:
-        yield _warn(
+        yield warn(
             [ctx.ref("data.path")],
             f"{p.name} is over {datafile.FULL_CHECK_BYTES >> 20} MiB: check parsed its first {found.count} "
             "rows; the rest is checked the same way when train loads it.",
@@ -180,18 +180,18 @@ def output_dir(ctx: Context):
     o = ctx.job.output
     d = Path(o.dir).expanduser()
     if d.exists() and not d.is_dir():
-        yield _err(
+        yield err(
             [ctx.ref("output.dir")], f"{o.dir} exists and is a file.", "--set output.dir=<a new folder>"
         )
         return
     if o.resume == "never" and holds_run(d):
-        yield _err(
+        yield err(
             [ctx.ref("output.dir"), ctx.ref("output.resume")],
             f"{o.dir} already holds a run and resume is never, so it would be overwritten.",
             f"continue it with --set output.resume=auto, or start fresh with --set output.dir={o.dir.rstrip('/')}-2",
         )
     elif o.resume not in ("auto", "never") and not Path(o.resume).expanduser().exists():
-        yield _err(
+        yield err(
             [ctx.ref("output.resume")],
             f"checkpoint {o.resume} does not exist.",
             "--set output.resume=auto (newest checkpoint in output.dir) or the path of a checkpoints/step-N folder",

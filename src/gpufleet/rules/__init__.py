@@ -1,0 +1,17 @@
+"""Every rule a job must satisfy, checked before anything loads: `run_checks(resolved, hardware)`.
+
+registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
+resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan).
+Importing this package registers them all, in that order.
+"""
+
+# The order rules are registered in is the order check reports them in.
+# isort: off
+from gpufleet.rules import job  # noqa: F401
+from gpufleet.rules import fit  # noqa: F401
+from gpufleet.rules import resources  # noqa: F401
+
+# isort: on
+from gpufleet.rules.registry import Context, run_checks
+
+__all__ = ["Context", "run_checks"]
