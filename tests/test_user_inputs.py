@@ -354,3 +354,16 @@ def test_lossy_tokenizer_warns_and_training_goes_on(home, tiny_model):
 def test_no_warning_for_save_every_beyond_max_steps(home):
     code, out = check(home, "output.save_every=50", "train.max_steps=1")
     assert code == 0 and "save_every" not in out, out
+
+
+def test_chat_prompts_need_a_chat_template(home, tiny_model):
+    """Issue 17 item 3: chat-format data with a tokenizer that has no chat template is check's error."""
+    (home / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "ab"}], "answer": "1"}\n' * 2)
+    code, out = check(home, "data.path=chat.jsonl")
+    assert_clean_error(code, out, "error: data.path", "has no chat template", "chat.jsonl line 1")
+    shutil.copytree(tiny_model, home / "model")
+    cfg = json.loads((home / "model" / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (home / "model" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    code, out = check(home, "data.path=chat.jsonl", "model.path=model")
+    assert "chat template" not in out, out

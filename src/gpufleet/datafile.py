@@ -43,6 +43,7 @@ class Scan:
     complete: bool = True
     rows: list[dict[str, Any]] | None = None
     table: Any = None  # a pyarrow Table for .parquet when loading
+    first_chat: str | None = None  # where the first chat-format prompt (a list of messages) is
     _seen: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
@@ -120,6 +121,8 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
         and value
         and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value)
     )
+    if chat and s.first_chat is None:
+        s.first_chat = f"{name} {where}"
     if not chat:
         raise DataFileError(
             f"{name} {where}: {prompt_field!r} is {_kind(value)}; a prompt is a non-empty string "

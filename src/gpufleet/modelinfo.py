@@ -64,6 +64,15 @@ def find_config_json(path: str, env: Mapping[str, str] | None = None) -> Path | 
     return None
 
 
+def has_chat_template(folder: Path) -> bool:
+    """Whether a model folder's tokenizer has a chat template (tokenizer_config.json's `chat_template`,
+    or a chat_template.jinja / .json file beside it), read without loading anything."""
+    if any((folder / n).is_file() for n in ("chat_template.jinja", "chat_template.json")):
+        return True
+    cfg, _ = read_json_file(folder / "tokenizer_config.json")
+    return isinstance(cfg, dict) and bool(cfg.get("chat_template"))
+
+
 def text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
     """The part of a config.json that describes the language model (`text_config` of vision-language
     configs, else the whole config)."""

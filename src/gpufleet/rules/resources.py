@@ -160,11 +160,31 @@ def data_available(ctx: Context):
         refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
         yield err(refs, e.why, e.fix)
         return
+    yield from _chat_needs_template(ctx, found.first_chat)
     if not found.complete:
         yield warn(
             [ctx.ref("data.path")],
             f"{p.name} is over {datafile.FULL_CHECK_BYTES >> 20} MiB: check parsed its first {found.count} "
             "rows; the rest is checked the same way when train loads it.",
+        )
+
+
+def _chat_needs_template(ctx: Context, first_chat: str | None):
+    """Chat-format prompts are rendered with the tokenizer's chat template: the model must have one."""
+    if first_chat is None:
+        return
+    from gpufleet.builtin_models import is_builtin
+
+    path = ctx.job.model.path
+    cfg = None if is_builtin(path) else modelinfo.find_config_json(path, ctx.env)
+    has = False if is_builtin(path) else (modelinfo.has_chat_template(cfg.parent) if cfg else None)
+    if has is False:  # None: a hub model not in the cache, its tokenizer unknown here
+        yield err(
+            [ctx.ref("data.path"), ctx.ref("model.path")],
+            f"the prompts are chat messages (first at {first_chat}), but the tokenizer of {ctx.job.model.path} "
+            "has no chat template to turn them into text.",
+            "use plain-text prompts (a string per row), or a model whose tokenizer has a chat template "
+            "(an -Instruct / -Chat model)",
         )
 
 
