@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from gpufleet.builtin_models import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.models import load_causal_lm
+from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
 

@@ -108,8 +108,8 @@ def run(a: argparse.Namespace, p: Preset) -> None:
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
-    from gpufleet.builtin_models import default_root, materialize
     from gpufleet.models import load_tokenizer
+    from gpufleet.models.builtin import default_root, materialize
     from gpufleet.tasks import get_task
 
     # The same folder gpufleet's `builtin:tiny-qwen2` resolves to (same weights, same tokenizer).

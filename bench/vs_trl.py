@@ -107,7 +107,7 @@ def orchestrate(a: argparse.Namespace, p: Preset) -> None:
     )
     env = child_env(a.threads, a.src)
     # Materialize the model once, up front, so neither trainer pays for building it.
-    materialize = "from gpufleet.builtin_models import materialize; materialize('tiny-qwen2')"
+    materialize = "from gpufleet.models.builtin import materialize; materialize('tiny-qwen2')"
     subprocess.run([sys.executable, "-c", materialize], env=env, cwd=ROOT, check=True)
 
     startup = measure_startup(a.startup_runs, env, ROOT) if a.startup_runs > 0 else {}

@@ -13,7 +13,7 @@ def tiny_reward_model(folder):
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from gpufleet.builtin_models import materialize
+    from gpufleet.models.builtin import materialize
 
     src = materialize("tiny-qwen2")
     config = AutoConfig.from_pretrained(src)

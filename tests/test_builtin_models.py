@@ -10,8 +10,9 @@ import textwrap
 
 import pytest
 
-from gpufleet import builtin_models as bm
-from gpufleet.builtin_models import (
+from gpufleet.models import builtin as bm
+from gpufleet.models import load_causal_lm, load_tokenizer, resolve_model_path
+from gpufleet.models.builtin import (
     BUILTIN_MODELS,
     CHAR_VOCAB,
     EOS_TOKEN,
@@ -21,7 +22,6 @@ from gpufleet.builtin_models import (
     is_builtin,
     materialize,
 )
-from gpufleet.models import load_causal_lm, load_tokenizer, resolve_model_path
 
 TEXT = " Hi there!\n  12+30=42?\n(a*b)/[c-d] <x>#'\"q;:.,\n"
 
@@ -41,7 +41,7 @@ def sha256(path) -> str:
 
 
 def test_import_needs_neither_torch_nor_transformers():
-    code = "import sys, gpufleet.builtin_models; assert not {'torch', 'transformers'} & set(sys.modules), sys.modules.keys()"
+    code = "import sys, gpufleet.models.builtin; assert not {'torch', 'transformers'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -130,7 +130,7 @@ def test_two_processes_at_once(tmp_path):
     code = textwrap.dedent(
         f"""
         import json, time
-        from gpufleet import builtin_models as bm
+        from gpufleet.models import builtin as bm
 
         def fake_build(folder, config, seed):
             (folder / "config.json").write_text(json.dumps(config))
@@ -189,7 +189,7 @@ def test_autotokenizer_trap_is_avoided(qwen_dir):
 
 def test_a_tokenizer_that_does_not_round_trip_is_a_warning(tmp_path, capsys):
     """Issue 12: what is lost is reported (by check, from tokenizer.json), the tokenizer still loads."""
-    from gpufleet.modelinfo import file_round_trip_note
+    from gpufleet.models.info import file_round_trip_note
 
     folder = tmp_path / "broken"
     tokenizer = bm.char_tokenizer()

@@ -16,8 +16,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from gpufleet.builtin_models import CHAR_VOCAB, EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.models import load_causal_lm
+from gpufleet.models.builtin import CHAR_VOCAB, EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.rl import rollout
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.rollout import generate, left_pad

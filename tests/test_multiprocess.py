@@ -51,7 +51,7 @@ def assert_same_weights(a: Path, b: Path, tol: float = 1e-5) -> None:
 
 
 def assert_moved(run: Path) -> None:
-    from gpufleet.builtin_models import materialize
+    from gpufleet.models.builtin import materialize
 
     initial = load_file(materialize("tiny-qwen2") / "model.safetensors")
     assert any(not torch.equal(initial[k], v) for k, v in weights(run).items())

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from gpufleet.errors import UserError
+from gpufleet.models.known import KNOWN_CONFIGS, known_config, lookup_config
 from gpufleet.plan.inference import kv_cache_bytes
-from gpufleet.plan.known_models import KNOWN_CONFIGS, known_config, lookup_config
 from gpufleet.plan.memory import (
     LOGPROB_CHUNK_ELEMENTS,
     GiB,

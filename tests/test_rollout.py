@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from gpufleet.builtin_models import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.models import load_causal_lm
+from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.rl.rollout import Rollout, _sample, generate, left_pad, sequence_logprobs
 
 

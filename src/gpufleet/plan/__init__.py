@@ -4,7 +4,6 @@
     memory.py        bytes of the training state and of one training micro-batch (pure arithmetic)
     inference.py     bytes of the rollout (KV cache, sampler) and of scoring (pure arithmetic)
     overhead.py      the per-process framework overhead setting (GPUFLEET_PLAN_OVERHEAD)
-    known_models.py  config.json of well-known hub models, for offline use
     change.py        `Change`: one job field set to a value; applied with `apply`, shown with `flag`
     loads.py         ProcessLoad / DeviceLoad / `Plan` (checks itself, renders itself as JSON)
     build.py         the bytes of every process of a laid-out job

@@ -2,7 +2,7 @@
 
     arch = arch_from_config(raw); params = count_parameters(arch); models = load_models(r, env)
 
-No torch import: config.json (found through `gpufleet.modelinfo`, or `known_models.py`) is all it reads.
+No torch import: config.json (found through `gpufleet.models.info`, or `models/known.py`) is all it reads.
 
 Parameters (`count_parameters`)
     Exact for the decoder families below, from config.json alone: token embeddings (+ learned
@@ -23,7 +23,7 @@ from typing import Any
 
 from gpufleet.config.load import Resolved
 from gpufleet.errors import UserError
-from gpufleet.modelinfo import checkpoint_dtype, text_config
+from gpufleet.models.info import checkpoint_dtype, text_config
 
 SUPPORTED_TYPES: dict[str, str] = {
     "llama": "llama",
@@ -118,7 +118,7 @@ def arch_from_config(raw: Mapping[str, Any]) -> Arch:
     """The `Arch` of a config.json dict; UnsupportedModel names the field or model_type it cannot read.
 
     Where the text model's numbers live (`text_config` of vision-language configs) and the checkpoint
-    dtype are read by `gpufleet.modelinfo`, as for the checks; the family's numbers are read here.
+    dtype are read by `gpufleet.models.info`, as for the checks; the family's numbers are read here.
     """
     cfg = text_config(raw)
     model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
@@ -317,7 +317,7 @@ class Models:
 
 
 def _spec(path: str, env: Mapping[str, str], head: str) -> ModelSpec | str:
-    from gpufleet.plan.known_models import lookup_config
+    from gpufleet.models.known import lookup_config
 
     found = lookup_config(path, env)
     if found is None:

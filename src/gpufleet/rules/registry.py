@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import FieldRef, Problem
 from gpufleet.hardware import Hardware
-from gpufleet.modelinfo import ModelInfo
+from gpufleet.models.info import ModelInfo
 from gpufleet.topology import Topology, resolve_topology
 
 
@@ -48,8 +48,8 @@ def run_checks(
 ) -> tuple[list[Problem], Context]:
     """All problems of a resolved job on this hardware: value problems first, then every rule."""
     env = os.environ if env is None else env
-    from gpufleet.modelinfo import from_config
-    from gpufleet.plan.known_models import lookup_config
+    from gpufleet.models.info import from_config
+    from gpufleet.models.known import lookup_config
 
     topo, topo_problems = resolve_topology(r, hw)
     found = lookup_config(r.job.model.path, env)  # local config.json, else the table of known hub models

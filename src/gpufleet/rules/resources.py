@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufleet import datafile, modelinfo, usercode
+from gpufleet import datafile, usercode
 from gpufleet.errors import UserError
-from gpufleet.modelinfo import looks_like_hub_id
+from gpufleet.models import info as modelinfo
+from gpufleet.models.info import looks_like_hub_id
 from gpufleet.rules.registry import Context, err, rule, warn
 
 DATA_EXTENSIONS = datafile.FORMATS
@@ -19,7 +20,7 @@ DATA_EXTENSIONS = datafile.FORMATS
 
 @rule
 def model_path_exists(ctx: Context):
-    from gpufleet import builtin_models
+    from gpufleet.models import builtin as builtin_models
 
     for field in ("model.path", "reward.model"):
         path = ctx.r.value(field)
@@ -173,7 +174,7 @@ def _chat_needs_template(ctx: Context, first_chat: str | None):
     """Chat-format prompts are rendered with the tokenizer's chat template: the model must have one."""
     if first_chat is None:
         return
-    from gpufleet.builtin_models import is_builtin
+    from gpufleet.models.builtin import is_builtin
 
     path = ctx.job.model.path
     cfg = None if is_builtin(path) else modelinfo.find_config_json(path, ctx.env)

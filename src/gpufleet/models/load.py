@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpufleet.builtin_models import builtin_name, is_builtin, materialize
 from gpufleet.errors import UserError
-from gpufleet.modelinfo import file_round_trip_note, round_trip_note
+from gpufleet.models.builtin import builtin_name, is_builtin, materialize
+from gpufleet.models.info import file_round_trip_note, round_trip_note
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,7 +34,7 @@ def load_tokenizer(path: str, field: str = "model.path") -> PreTrainedTokenizerB
     tokenizer.json holds, and a character-level vocab then silently loses its spaces. So a folder whose
     tokenizer.json is a WordLevel (character-level) model is loaded as exactly that file; anything else
     goes through ``AutoTokenizer``. The pad token falls back to the eos token. A tokenizer that does not
-    give text back exactly is a warning, not an error (`modelinfo.round_trip_note`): `gpufleet check`
+    give text back exactly is a warning, not an error (`models.info.round_trip_note`): `gpufleet check`
     reports it from tokenizer.json, and this prints it (rank 0) only when what is loaded here differs.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -114,7 +114,7 @@ def from_config(raw: dict[str, Any], source: str) -> ModelInfo:
 
 def read_model_info(path: str, env: Mapping[str, str] | None = None) -> ModelInfo | None:
     """ModelInfo for `model.path`, or None when its config is not available locally."""
-    from gpufleet import builtin_models
+    from gpufleet.models import builtin as builtin_models
 
     if builtin_models.is_builtin(path):
         name = builtin_models.builtin_name(path)

@@ -164,9 +164,9 @@ def lookup_config(path: str, env: Mapping[str, str] | None = None) -> tuple[dict
     """(config.json dict, where it came from) for a model path, or None when it is not available offline.
 
     Order: `builtin:<name>`, a local folder, a hub id in the local Hugging Face cache (all through
-    `gpufleet.modelinfo`), then this module's table of known hub models. Never downloads.
+    `gpufleet.models.info`), then this module's table of known hub models. Never downloads.
     """
-    from gpufleet.modelinfo import looks_like_hub_id, read_model_info
+    from gpufleet.models.info import looks_like_hub_id, read_model_info
 
     info = read_model_info(path, env)
     if info is not None:
@@ -174,5 +174,5 @@ def lookup_config(path: str, env: Mapping[str, str] | None = None) -> tuple[dict
     if looks_like_hub_id(path):
         raw = known_config(path)
         if raw is not None:
-            return raw, "gpufleet's table of known models (src/gpufleet/plan/known_models.py)"
+            return raw, "gpufleet's table of known models (src/gpufleet/models/known.py)"
     return None
