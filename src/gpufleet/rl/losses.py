@@ -16,6 +16,8 @@ The math follows TRL's `GRPOTrainer._compute_loss` (1.16) so that loss curves ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -177,3 +179,71 @@ def policy_loss(
             "kl": 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item(),
         }
     return loss, stats
+
+
+@dataclass(frozen=True)
+class Loss:
+    """`policy_loss` configured once from the job, taking the batch noun: `loss(logprobs, batch, normalizer)`.
+
+    `batch` is anything with `old_logprobs` (None: the batch is on-policy, ratio 1), `advantages`,
+    `completion_mask` and `ref_logprobs` (rl/batch.py `GenerationBatch`). The normaliser of one optimizer
+    step comes from `normalizer` (global counts, see `policy_loss`)."""
+
+    loss_type: str = "grpo"
+    level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+
+    @classmethod
+    def from_job(cls, job) -> Loss:
+        a = job.algorithm
+        return cls(
+            a.loss_type,
+            a.importance_level,
+            a.epsilon,
+            a.epsilon_high,
+            a.beta,
+            job.rollout.max_completion_length,
+        )
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch, normalizer: float | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        return policy_loss(
+            logprobs,
+            old,
+            batch.advantages,
+            batch.completion_mask,
+            ref_logprobs=batch.ref_logprobs,
+            loss_type=self.loss_type,
+            level=self.level,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            max_completion_length=self.max_completion_length,
+            normalizer=normalizer,
+        )
+
+    def normalizer(self, rows: int, tokens: int, global_tokens: int, ranks: int) -> float:
+        """The denominator of one optimizer step from this rank's `rows` and `tokens`, the valid tokens
+        of all policy ranks and the rank count: rows for grpo, valid tokens for dapo, rows x
+        max_completion_length for dr_grpo (all global); bnpo uses this rank's tokens, as its definition
+        says."""
+        return {
+            "grpo": rows * ranks,
+            "bnpo": max(tokens, 1),
+            "dapo": max(global_tokens, 1),
+            "dr_grpo": rows * ranks * (self.max_completion_length or 0),
+        }[self.loss_type]
+
+    def rank_scale(self, ranks: int) -> int:
+        """DDP and FSDP average gradients over ranks: the loss is multiplied by this so that the reduced
+        gradient is the gradient of the global loss (bnpo is a per-rank mean: 1)."""
+        return ranks if self.loss_type != "bnpo" else 1
+
+    def global_loss(self, summed: float, ranks: int) -> float:
+        """The step's loss metric from the sum over ranks of each rank's accumulated loss."""
+        return summed if self.loss_type != "bnpo" else summed / ranks
