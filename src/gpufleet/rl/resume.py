@@ -18,7 +18,7 @@ import torch
 
 from gpufleet import checkpoint
 from gpufleet.errors import UserError
-from gpufleet.rl.batch import GenerationBatch, Scored
+from gpufleet.rl.batch import GenerationBatch, Scored, reuse_count
 from gpufleet.rl.rollout import Rollout
 
 
@@ -55,7 +55,7 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
 
     model_state = full_state_dict(p.train_model, p.rt)
     optim = optimizer_state(p, opt)
-    reuse = p.job.train.steps_per_generation * p.job.algorithm.num_iterations
+    reuse = reuse_count(p.job)
     batch = scored_to_dict(scored) if scored is not None and step % reuse != 0 else None
     return checkpoint.save(
         out_dir,

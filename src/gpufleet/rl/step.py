@@ -24,6 +24,7 @@ from gpufleet.rl.batch import (
     completion_seed,
     logprobs_of,
     rank_rows,
+    reuse_count,
     tokenize_prompts,
 )
 from gpufleet.rl.parts import Parts
@@ -130,7 +131,7 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
     """Old log-probs when the batch is reused (the generating policy's), reference log-probs for the KL."""
     t, ro = p.job.train, p.job.rollout
     micro = t.micro_batch or t.per_device_batch
-    if t.steps_per_generation * p.job.algorithm.num_iterations > 1:
+    if reuse_count(p.job) > 1:  # the batch is reused: keep the generating policy's log-probs
         batch.old_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
     if p.reference is not None:
         batch.ref_logprobs = logprobs_of(p.reference, batch, ro.temperature, micro, autocast)

@@ -26,7 +26,7 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.monitor.metrics import JsonlWriter, Progress
 from gpufleet.rl import resume, scorer
-from gpufleet.rl.batch import Scored
+from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build
 from gpufleet.rl.precision import autocast_for
@@ -43,7 +43,7 @@ def train(
     p = build(job, rt, weights=resume_from)
     opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device)
-    reuse = t.steps_per_generation * job.algorithm.num_iterations
+    reuse = reuse_count(job)
     start, scored = 0, None
     if resume_from is not None:
         start, scored = resume.restore(p, opt, sched, resume_from, out_dir)
