@@ -176,7 +176,7 @@ def test_unfused_weights_and_a_single_row(models):
 def test_attention_implementations_sdpa_and_eager_are_supported():
     model = from_config(CONFIGS["mistral"]())
     model.set_attn_implementation("eager")
-    assert FastDecoder.supports(model, 64)
+    assert FastDecoder.unsupported_reason(model, 64) is None
     assert compare(model, padded=True) < ATOL
 
 
@@ -194,7 +194,7 @@ class Wrapper(torch.nn.Module):
 
 def test_falls_back_when_not_sure_it_is_exact(models):
     model = models["tiny-qwen2"]
-    assert FastDecoder.supports(model, 64)
+    assert FastDecoder.unsupported_reason(model, 64) is None
     assert "wrapped" in FastDecoder.unsupported_reason(Wrapper(model), 64)
 
     model.train()
@@ -210,7 +210,7 @@ def test_falls_back_when_not_sure_it_is_exact(models):
 
     with pytest.raises(ValueError, match="does not support"):
         FastDecoder(Wrapper(model))
-    assert FastDecoder.supports(model, 64)
+    assert FastDecoder.unsupported_reason(model, 64) is None
 
     fsdp_like = from_config(CONFIGS["qwen3"]())  # fully_shard swaps the class for a subclass
     fsdp_like.__class__ = type("FSDPQwen3ForCausalLM", (type(fsdp_like),), {})
@@ -241,7 +241,7 @@ def test_sliding_window_only_when_the_sequence_fits_in_it(config):
     model = from_config(config())
     assert "sliding window" in FastDecoder.unsupported_reason(model, 17)
     assert "sliding window" in FastDecoder.unsupported_reason(model)  # length unknown
-    assert FastDecoder.supports(model, 16)
+    assert FastDecoder.unsupported_reason(model, 16) is None
     assert compare(model, padded=True, rows=3, steps=4) < ATOL  # 12 + 4 tokens: the window is inactive
     with pytest.raises(ValueError, match="sliding window"):
         FastDecoder(model).prefill(*left_pad([[5] * 12], PAD_TOKEN_ID), torch.arange(12)[None], 5)

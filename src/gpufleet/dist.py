@@ -71,24 +71,35 @@ def env_rank(env: Mapping[str, str] | None = None) -> tuple[int, int, int, int]:
 
 
 def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
-    """Read the rank from the environment, pick the device, init the process groups."""
-    rank, world, local, node = env_rank()
-    nproc = topo.nproc_per_node
-    n_policy = len(topo.policy_devices)
-    if world > 1 and world != topo.world_size:
-        raise RuntimeError(f"torchrun started {world} processes but the placement needs {topo.world_size}")
-    policy_ranks = [n * nproc + i for n in range(topo.nnodes) for i in range(n_policy)]
-    if local < n_policy:
-        role, roles, dev_id = "policy", (), topo.policy_devices[local]
-    else:
-        dev_id, roles = topo.scorer_devices[local - n_policy]
-        role = "scorer"
-    device = torch.device("cpu") if cpu else torch.device("cuda", dev_id)
+    """This process's place (rank from the environment, role and device from the topology), and the
+    process groups. The same call for `python` and `torchrun` alike: without torchrun's variables the
+    process is rank 0 of 1, picks its device and needs no process group."""
+    rank, world, _, _ = env_rank()
+    places = topo.places()
+    here = topo.place(rank, world)
+    policy_ranks = [q.rank for q in places if q.role == "policy"]
+    device = torch.device("cpu") if cpu else torch.device("cuda", here.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    rt = Runtime(rank, world, local, node, role, tuple(roles), policy_ranks, device)
+    rt = Runtime(rank, world, here.local, here.node, here.role, here.roles, policy_ranks, device)
     if world == 1:
         return rt
+    _init_process_group(rank, world, device, timeout_s)
+    # Every rank takes part in creating every group (new_group is collective over the world).
+    rt.policy_group = dist.new_group(policy_ranks, timeout=timedelta(seconds=timeout_s))
+    # One group per scorer: that scorer and the policy ranks of its node (objects travel over gloo).
+    for scorer in (q for q in places if q.role == "scorer"):
+        node_policy = [q.rank for q in places if q.role == "policy" and q.node == scorer.node]
+        group = dist.new_group(
+            node_policy + [scorer.rank], timeout=timedelta(seconds=timeout_s), backend="gloo"
+        )
+        if rank in node_policy or rank == scorer.rank:
+            rt.scorers.append((scorer.rank, scorer.roles, group))
+    return rt
+
+
+def _init_process_group(rank: int, world: int, device: torch.device, timeout_s: int) -> None:
+    """NCCL on GPUs, gloo on the CPU, over torchrun's store under a per-attempt prefix."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     # torchrun keeps one store across restarts: without a per-attempt prefix, a restarted worker reads
     # the addresses its dead predecessors published for the sub-groups and fails to connect.
@@ -104,19 +115,6 @@ def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    # Every rank takes part in creating every group (new_group is collective over the world).
-    rt.policy_group = dist.new_group(policy_ranks, timeout=timedelta(seconds=timeout_s))
-    # One group per scorer: that scorer and the policy ranks of its node (objects travel over gloo).
-    for n in range(topo.nnodes):
-        node_policy = [n * nproc + i for i in range(n_policy)]
-        for s, (_, s_roles) in enumerate(topo.scorer_devices):
-            scorer_rank = n * nproc + n_policy + s
-            group = dist.new_group(
-                node_policy + [scorer_rank], timeout=timedelta(seconds=timeout_s), backend="gloo"
-            )
-            if rank in node_policy or rank == scorer_rank:
-                rt.scorers.append((scorer_rank, tuple(s_roles), group))
-    return rt
 
 
 def shutdown(rt: Runtime) -> None:

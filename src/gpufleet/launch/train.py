@@ -47,7 +47,8 @@ def train_command(
         else:
             print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job))
         return 0
-    if _finished(out, jb, topo):
+    start = _start(out, jb, topo)
+    if start is None:  # the run in `out` is finished
         return 0
     _prepare_run_dir(r, out, job_file)
     _header(job, jb, topo, hw, out)
@@ -55,7 +56,7 @@ def train_command(
 
     try:
         code = (
-            _in_process(jb, out, hw, topo)
+            _in_process(jb, out, hw, topo, start.checkpoint)
             if topo.world_size == 1
             else _torchrun(
                 jb, topo, job_file, out, hw, {**env, "PYTHONPATH": pythonpath(roots(r.job_path), env)}
@@ -87,26 +88,26 @@ def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: b
     return r, problems, ctx
 
 
-def _finished(out: Path, jb, topo) -> bool:
-    """Check the checkpoint to resume from (raises UserError on a breaking change); True when the run
-    in `out` already reached max_steps (then say so and how to go on)."""
-    from gpufleet import checkpoint
-    from gpufleet.rl.resume import check
+def _start(out: Path, jb, topo):
+    """The one resume decision (rl/resume.py `decide`: raises UserError on a breaking change), said out
+    loud; None when the run in `out` already reached max_steps (then say so and how to go on)."""
+    from gpufleet.rl.resume import decide
 
-    ckpt = checkpoint.resolve_resume(out, jb.output.resume)
-    if ckpt is None:
-        return False
-    changes = check(ckpt, jb, jb.train.per_device_batch * topo.policy_ranks)
-    done = checkpoint.load_state(ckpt).step
-    if done >= jb.train.max_steps:
-        print(f"{out} already holds a finished run ({done} steps; model in {out / 'final'}); nothing to do.")
+    start = decide(jb, out, jb.train.per_device_batch * topo.policy_ranks)
+    if start.checkpoint is None:
+        return start
+    if start.step >= jb.train.max_steps:
+        print(
+            f"{out} already holds a finished run ({start.step} steps; model in {out / 'final'}); nothing to do."
+        )
         print(
             f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
             f"{str(out).rstrip('/')}-2"
         )
-        return True
-    print(f"resuming from {ckpt} (step {done})" + (f"; changed: {'; '.join(changes)}" if changes else ""))
-    return False
+        return None
+    changed = f"; changed: {'; '.join(start.changes)}" if start.changes else ""
+    print(f"resuming from {start.checkpoint} (step {start.step})" + changed)
+    return start
 
 
 def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
@@ -196,18 +197,15 @@ def _auto_placement(r, hw, env) -> tuple:
     return plan.changes if plan is not None else ()
 
 
-def _in_process(job, out: Path, hw, topo) -> int:
-    import torch
-
-    from gpufleet.dist import Runtime
+def _in_process(job, out: Path, hw, topo, resume_from: Path | None) -> int:
+    """One process, no torchrun: the same `dist.init` and `train` as a torchrun worker."""
+    from gpufleet import dist
     from gpufleet.launch.worker import rank_log
     from gpufleet.rl.trainer import train
 
-    device = torch.device("cpu") if hw.is_cpu else torch.device("cuda", topo.policy_devices[0])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     with rank_log(out / "logs", 0, console=True):
-        train(job, out, Runtime(device=device))
+        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout)
+        train(job, out, rt, resume_from=resume_from)
     return 0
 
 

@@ -96,9 +96,7 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
 
             serve(rt, job)
         else:
-            from gpufleet.rl.trainer import train
-
-            train(job, out, rt)
+            _train(rt, job, out)
         dist.shutdown(rt)
         return 0
     except KeyboardInterrupt:  # the launcher was asked to stop: not a failure of this rank
@@ -116,3 +114,15 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
         (logs / f"rank{rank}.error.json").write_text(json.dumps(record), encoding="utf-8")
         traceback.print_exc()
         return 2 if isinstance(e, UserError) else 1
+
+
+def _train(rt, job, out: Path) -> None:
+    """A policy rank: train from where the launcher decided (after a torchrun restart: the newest checkpoint)."""
+    from gpufleet.rl.resume import worker_start
+    from gpufleet.rl.trainer import train
+
+    start = worker_start(job, out)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if start.checkpoint is not None and attempt != "0":  # the launcher announced the first start
+        print(f"restart {attempt}: resuming from {start.checkpoint} at step {start.step}", flush=True)
+    train(job, out, rt, resume_from=start.checkpoint)

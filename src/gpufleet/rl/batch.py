@@ -45,6 +45,11 @@ class GenerationBatch:
         return int(self.completion_mask.sum().item())
 
 
+def reuse_count(job) -> int:
+    """Optimizer steps taken on one generation batch: steps_per_generation x num_iterations."""
+    return job.train.steps_per_generation * job.algorithm.num_iterations
+
+
 def rank_rows(
     policy_index: int, policy_size: int, per_device_batch: int, steps_per_generation: int
 ) -> list[int]:

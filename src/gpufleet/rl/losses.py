@@ -12,9 +12,15 @@ One function, `policy_loss`, covers the variants that differ only in two places:
   - "dapo": token sum over the global token count (DAPO, arXiv 2503.14476).
 
 The math follows TRL's `GRPOTrainer._compute_loss` (1.16) so that loss curves are comparable.
+
+`Loss` is `policy_loss` configured once from the job (tiny-grpo's habit): `loss(logprobs, batch,
+normalizer)` takes the generation batch, and `Loss.normalizer` gives each optimizer step's global
+denominator.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -95,31 +101,11 @@ def policy_loss(
             `ref_logprobs`, "dr_grpo" without `max_completion_length` or `normalizer`, or a
             `normalizer` that is not > 0.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {LOSS_TYPES}")
-    if level not in LEVELS:
-        raise ValueError(f"level={level!r} is not supported; expected one of {LEVELS}")
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
+    normalizer = _check_options(
+        loss_type, level, beta, ref_logprobs is not None, max_completion_length, normalizer
+    )
+    _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs)
     shape = logprobs.shape
-    named = {"old_logprobs": old_logprobs, "mask": mask}
-    if ref_logprobs is not None:
-        named["ref_logprobs"] = ref_logprobs
-    for name, tensor in named.items():
-        if tensor.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} like logprobs")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
-    if beta != 0.0 and ref_logprobs is None:
-        raise ValueError(f"beta={beta} needs ref_logprobs for the KL penalty; pass them or set beta=0")
-    if loss_type == "dr_grpo" and max_completion_length is None and normalizer is None:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length (or an explicit normalizer)")
-    if max_completion_length is not None and max_completion_length <= 0:
-        raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
-    if normalizer is not None:
-        normalizer = float(normalizer)
-        if not normalizer > 0.0:  # also rejects NaN
-            raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if epsilon_high is None:
         epsilon_high = epsilon
 
@@ -149,7 +135,67 @@ def policy_loss(
         if beta != 0.0:
             per_token = per_token + beta * kl
 
-    per_token = per_token * mask_f
+    loss = _aggregate(per_token * mask_f, mask_f, loss_type, normalizer, max_completion_length)
+
+    with torch.no_grad():
+        r = ratio.detach().expand(shape)
+        a = adv.expand(shape)
+        is_low = (r < 1.0 - epsilon) & (a < 0)
+        is_high = (r > 1.0 + epsilon_high) & (a > 0)
+        stats = {
+            "clip_ratio/low_mean": _masked_fraction(is_low, valid),
+            "clip_ratio/high_mean": _masked_fraction(is_high, valid),
+            "clip_ratio/region_mean": _masked_fraction(is_low | is_high, valid),
+            "kl": 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item(),
+        }
+    return loss, stats
+
+
+def _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs) -> None:
+    """Raise ValueError unless the tensors are (B, T) alike and advantages (B,)."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    named = {"old_logprobs": old_logprobs, "mask": mask}
+    if ref_logprobs is not None:
+        named["ref_logprobs"] = ref_logprobs
+    for name, tensor in named.items():
+        if tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} like logprobs")
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
+
+
+def _check_options(
+    loss_type: str, level: str, beta: float, has_ref: bool, max_completion_length: int | None, normalizer
+) -> float | None:
+    """Raise ValueError on options `policy_loss` refuses (see its docstring); the normalizer as a float."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {LOSS_TYPES}")
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r} is not supported; expected one of {LEVELS}")
+    if beta != 0.0 and not has_ref:
+        raise ValueError(f"beta={beta} needs ref_logprobs for the KL penalty; pass them or set beta=0")
+    if loss_type == "dr_grpo" and max_completion_length is None and normalizer is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (or an explicit normalizer)")
+    if max_completion_length is not None and max_completion_length <= 0:
+        raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
+    if normalizer is not None:
+        normalizer = float(normalizer)
+        if not normalizer > 0.0:  # also rejects NaN
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    return normalizer
+
+
+def _aggregate(
+    per_token: torch.Tensor,
+    mask_f: torch.Tensor,
+    loss_type: str,
+    normalizer: float | None,
+    max_completion_length: int | None,
+) -> torch.Tensor:
+    """The masked per-token losses (B, T) reduced to the loss as `loss_type` says (module docstring)."""
+    shape = per_token.shape
     if loss_type == "grpo":
         # DeepSeekMath GRPO: per-sequence token mean, then mean over sequences.
         seq_mean = per_token.sum(-1) / mask_f.sum(-1).clamp(min=1.0)
@@ -165,15 +211,72 @@ def policy_loss(
         denom = normalizer if normalizer is not None else mask_f.sum().clamp(min=1.0)
         loss = per_token.sum() / denom
 
-    with torch.no_grad():
-        r = ratio.detach().expand(shape)
-        a = adv.expand(shape)
-        is_low = (r < 1.0 - epsilon) & (a < 0)
-        is_high = (r > 1.0 + epsilon_high) & (a > 0)
-        stats = {
-            "clip_ratio/low_mean": _masked_fraction(is_low, valid),
-            "clip_ratio/high_mean": _masked_fraction(is_high, valid),
-            "clip_ratio/region_mean": _masked_fraction(is_low | is_high, valid),
-            "kl": 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item(),
-        }
-    return loss, stats
+    return loss
+
+
+@dataclass(frozen=True)
+class Loss:
+    """`policy_loss` configured once from the job, taking the batch noun: `loss(logprobs, batch, normalizer)`.
+
+    `batch` is anything with `old_logprobs` (None: the batch is on-policy, ratio 1), `advantages`,
+    `completion_mask` and `ref_logprobs` (rl/batch.py `GenerationBatch`). The normaliser of one optimizer
+    step comes from `normalizer` (global counts, see `policy_loss`)."""
+
+    loss_type: str = "grpo"
+    level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+
+    @classmethod
+    def from_job(cls, job) -> Loss:
+        a = job.algorithm
+        return cls(
+            a.loss_type,
+            a.importance_level,
+            a.epsilon,
+            a.epsilon_high,
+            a.beta,
+            job.rollout.max_completion_length,
+        )
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch, normalizer: float | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        return policy_loss(
+            logprobs,
+            old,
+            batch.advantages,
+            batch.completion_mask,
+            ref_logprobs=batch.ref_logprobs,
+            loss_type=self.loss_type,
+            level=self.level,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            max_completion_length=self.max_completion_length,
+            normalizer=normalizer,
+        )
+
+    def normalizer(self, rows: int, tokens: int, global_tokens: int, ranks: int) -> float:
+        """The denominator of one optimizer step from this rank's `rows` and `tokens`, the valid tokens
+        of all policy ranks and the rank count: rows for grpo, valid tokens for dapo, rows x
+        max_completion_length for dr_grpo (all global); bnpo uses this rank's tokens, as its definition
+        says."""
+        return {
+            "grpo": rows * ranks,
+            "bnpo": max(tokens, 1),
+            "dapo": max(global_tokens, 1),
+            "dr_grpo": rows * ranks * (self.max_completion_length or 0),
+        }[self.loss_type]
+
+    def rank_scale(self, ranks: int) -> int:
+        """DDP and FSDP average gradients over ranks: the loss is multiplied by this so that the reduced
+        gradient is the gradient of the global loss (bnpo is a per-rank mean: 1)."""
+        return ranks if self.loss_type != "bnpo" else 1
+
+    def global_loss(self, summed: float, ranks: int) -> float:
+        """The step's loss metric from the sum over ranks of each rank's accumulated loss."""
+        return summed if self.loss_type != "bnpo" else summed / ranks

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from gpufleet import checkpoint
-from gpufleet.dist import Runtime
 from gpufleet.errors import UserError
-from gpufleet.rl.batch import GenerationBatch, Scored
+from gpufleet.rl.batch import GenerationBatch, Scored, reuse_count
 from gpufleet.rl.rollout import Rollout
 
 
@@ -56,7 +55,7 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
 
     model_state = full_state_dict(p.train_model, p.rt)
     optim = optimizer_state(p, opt)
-    reuse = p.job.train.steps_per_generation * p.job.algorithm.num_iterations
+    reuse = reuse_count(p.job)
     batch = scored_to_dict(scored) if scored is not None and step % reuse != 0 else None
     return checkpoint.save(
         out_dir,
@@ -179,7 +178,29 @@ def save_final(p, folder: Path) -> None:
         tmp.rename(folder)
 
 
-def start_point(job, out_dir: Path, rt: Runtime) -> Path | None:
-    """The checkpoint this attempt starts from. A torchrun restart always takes the newest one."""
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts: the checkpoint to resume from (None: step 0), its step, what changed since."""
+
+    checkpoint: Path | None = None
+    step: int = 0
+    changes: tuple[str, ...] = ()
+
+
+def decide(job, out_dir: Path, global_batch: int) -> Start:
+    """The launcher's decision, made once before any process starts: the checkpoint `output.resume`
+    names in `out_dir`, checked against the job (UserError on a change that breaks the run)."""
+    ckpt = checkpoint.resolve_resume(out_dir, job.output.resume)
+    if ckpt is None:
+        return Start()
+    changes = check(ckpt, job, global_batch)
+    return Start(ckpt, checkpoint.load_state(ckpt).step, tuple(changes))
+
+
+def worker_start(job, out_dir: Path) -> Start:
+    """Where a torchrun worker starts. Attempt 0: the checkpoint the launcher decided on (the same rule on
+    the same folder, already checked by `decide`); a torchrun restart: the newest one, written by this
+    very run."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    return checkpoint.resolve_resume(out_dir, "auto" if attempt > 0 else job.output.resume)
+    ckpt = checkpoint.resolve_resume(out_dir, "auto" if attempt > 0 else job.output.resume)
+    return Start() if ckpt is None else Start(ckpt, checkpoint.load_state(ckpt).step)

@@ -217,8 +217,6 @@ def _decode(
     top_k: int,
     all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
     batch, width = prompt.shape
@@ -231,30 +229,10 @@ def _decode(
     next_pos = prompt_mask.sum(dim=1, keepdim=True)  # position id of the next token of each row
 
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
-    decoder = _fast_decoder(model, width + max_new_tokens)
-    if decoder is None:
-        config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
-        # Without left padding the HF mask can be None: the mask would then only hide the tokens after a
-        # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
-        # each other), so every kept logit is the same; HF skips building and checking the mask.
-        unpadded = bool(prompt_mask.all())
+    forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        if decoder is not None:  # the same rule: tokens after EOS go unmasked, their logits unused
-            if t == 0:
-                logits = decoder.prefill(prompt, prompt_mask, positions, max_new_tokens)
-            else:
-                logits = decoder.step(step_input.squeeze(1), positions)
-        else:
-            logits = model(
-                input_ids=step_input,
-                attention_mask=None if unpadded else mask[:, : width + t],
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+        logits = forward(t, step_input, positions)
         token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
@@ -281,6 +259,41 @@ def _decode(
         completion_lengths=lengths,
         is_truncated=~has_eos,
     )
+
+
+def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
+    """`forward(t, step_input, positions)`: the last logits of decode step t, through ``FastDecoder``
+    where it is exact, else through the HF forward with a cache (`mask`: the caller's live mask)."""
+    from transformers import DynamicCache
+
+    width = prompt.shape[1]
+    decoder = _fast_decoder(model, width + max_new_tokens)
+    if decoder is not None:  # the same rule as below: tokens after EOS go unmasked, their logits unused
+
+        def fast(t: int, step_input: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            if t == 0:
+                return decoder.prefill(prompt, prompt_mask, positions, max_new_tokens)
+            return decoder.step(step_input.squeeze(1), positions)
+
+        return fast
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    # Without left padding the HF mask can be None: the mask would then only hide the tokens after a
+    # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
+    # each other), so every kept logit is the same; HF skips building and checking the mask.
+    unpadded = bool(prompt_mask.all())
+
+    def hf(t: int, step_input: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model(
+            input_ids=step_input,
+            attention_mask=None if unpadded else mask[:, : width + t],
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    return hf
 
 
 def _token_stats(

@@ -36,17 +36,16 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     """The scorer's loop: answer every policy rank until all of them say stop."""
     from gpufleet.models import load_causal_lm
     from gpufleet.rl.batch import GenerationBatch, logprobs_of
+    from gpufleet.rl.precision import autocast_for, model_dtype
     from gpufleet.rl.rewards import RewardModel
-    from gpufleet.rl.trainer import autocast_for, model_dtype
 
     _, roles, group = rt.scorers[0]
+    used = job.roles_used()
     reference = None
-    if "reference" in roles and job.algorithm.beta > 0:
+    if "reference" in roles and used["reference"]:
         reference = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
-    reward_model = (
-        RewardModel(job.reward.model, rt.device) if "reward" in roles and job.reward.model else None
-    )
+    reward_model = RewardModel(job.reward.model, rt.device) if "reward" in roles and used["reward"] else None
     autocast = autocast_for(job, rt.device)
     micro = job.train.micro_batch or job.train.per_device_batch
     members = dist.get_world_size(group)

@@ -1,0 +1,214 @@
+"""One RL step: a generation step (sample, reward, score) and an optimizer step (loss, backward, clip, step).
+
+`generation_step` samples this rank's rows of a generation batch (layout: rl/batch.py), rewards them,
+gathers every rank's rewards so each group's advantages see all G completions, and adds the old /
+reference log-probs when they are needed. `optimizer_step` accumulates gradients over micro-batches,
+each micro-batch's loss scaled by the *whole step's* normaliser (rl/losses.py `Loss.normalizer`), so the
+gradient depends neither on `train.micro_batch` nor on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum, all_true
+from gpufleet.errors import UserError
+from gpufleet.rl import scorer
+from gpufleet.rl.advantages import combine_rewards, group_advantages
+from gpufleet.rl.batch import (
+    GenerationBatch,
+    Scored,
+    completion_seed,
+    logprobs_of,
+    rank_rows,
+    reuse_count,
+    tokenize_prompts,
+)
+from gpufleet.rl.parts import Parts
+from gpufleet.rl.rollout import Rollout, generate, sequence_logprobs
+
+_TOKEN_WEIGHTED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+"""Loss statistics averaged over the step's valid tokens (each micro-batch weighted by its share)."""
+
+
+def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
+    """Sample, reward and score this rank's rows of generation batch `gen_index` (see rl/batch.py)."""
+    job, rt, t = p.job, p.rt, p.job.train
+    G = job.algorithm.num_generations
+    first_prompt = gen_index * (job.generation_batch(rt.policy_size) // G)
+    rows = rank_rows(rt.policy_index, rt.policy_size, t.per_device_batch, t.steps_per_generation)
+    row_pos = [first_prompt + j // G for j in rows]
+    prompt_ids, prompts, columns = _prompts(p, row_pos)
+    rollout = _sample(
+        p, prompt_ids, [completion_seed(t.seed, pos, j % G) for pos, j in zip(row_pos, rows, strict=True)]
+    )
+    completions = p.tokenizer.batch_decode(
+        rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
+    )
+    batch = GenerationBatch(
+        input_ids=rollout.input_ids,
+        attention_mask=rollout.attention_mask,
+        completion_mask=rollout.completion_mask.float(),
+        advantages=torch.zeros(len(rows)),
+        old_logprobs=None,
+        ref_logprobs=None,
+        completion_start=rollout.completion_start,
+    )
+    remote = _ask_scorers(rt, batch, prompts, completions)
+    per_function = p.rewards(prompts, completions, columns, remote.get("rm_scores"))
+    per_function_all = _gather_rows_in_order(p, per_function)
+    rewards_all = combine_rewards(per_function_all, p.rewards.weights)
+    advantages, stats = group_advantages(rewards_all, G, scale=job.algorithm.scale_rewards)
+    batch.advantages = advantages[torch.tensor(rows)].to(p.device)
+    _add_logprobs(p, batch, remote, autocast)
+    return Scored(batch, rollout, prompts, completions, rewards_all, per_function_all, stats)
+
+
+def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list]]:
+    """Token ids and text of each row's prompt, and the data set's other columns per row (for rewards)."""
+    positions = sorted(set(row_pos))
+    examples = {pos: p.source.examples(pos, 1)[0] for pos in positions}
+    field = p.source.field
+    ids, texts = tokenize_prompts(
+        p.tokenizer, [examples[pos][field] for pos in positions], p.job.rollout.max_prompt_length
+    )
+    ids_by_pos = dict(zip(positions, ids, strict=True))
+    text_by_pos = dict(zip(positions, texts, strict=True))
+    columns = {k: [examples[pos][k] for pos in row_pos] for k in examples[positions[0]] if k != field}
+    return [ids_by_pos[pos] for pos in row_pos], [text_by_pos[pos] for pos in row_pos], columns
+
+
+def _sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int]) -> Rollout:
+    """One completion per row. Under FSDP the ranks generate through the sharded model, together."""
+    rt, ro = p.rt, p.job.rollout
+    fsdp = rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1
+    return generate(
+        p.train_model if fsdp else p.policy,
+        prompt_ids,
+        seeds=seeds,
+        max_new_tokens=ro.max_completion_length,
+        eos_token_id=p.tokenizer.eos_token_id,
+        pad_token_id=p.tokenizer.pad_token_id,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
+    ).to(p.device)
+
+
+def _ask_scorers(rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str]) -> dict:
+    """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none)."""
+    if not rt.scorers:
+        return {}
+    payload = {
+        "input_ids": batch.input_ids.cpu(),
+        "completion_start": batch.completion_start,
+        "attention_mask": batch.attention_mask.cpu(),
+        "prompts": prompts,
+        "completions": completions,
+    }
+    return scorer.request(rt, payload)
+
+
+def _gather_rows_in_order(p: Parts, local: torch.Tensor) -> torch.Tensor:
+    """Every policy rank's rows of `local` in global row order (advantages need whole groups)."""
+    rt, t = p.rt, p.job.train
+    gathered = all_gather_rows(rt, local)
+    order = [
+        j
+        for r in range(rt.policy_size)
+        for j in rank_rows(r, rt.policy_size, t.per_device_batch, t.steps_per_generation)
+    ]
+    out = torch.empty(p.job.generation_batch(rt.policy_size), local.shape[1])
+    out[torch.tensor(order)] = torch.cat(gathered)
+    return out
+
+
+def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> None:
+    """Old log-probs when the batch is reused (the generating policy's), reference log-probs for the KL."""
+    t, ro = p.job.train, p.job.rollout
+    micro = t.micro_batch or t.per_device_batch
+    if reuse_count(p.job) > 1:  # the batch is reused: keep the generating policy's log-probs
+        batch.old_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
+    if p.reference is not None:
+        batch.ref_logprobs = logprobs_of(p.reference, batch, ro.temperature, micro, autocast)
+    elif "ref_logprobs" in remote:
+        batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
+
+
+def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str, float]:
+    """Accumulate over micro-batches with the step-wide normaliser; clip; step. Returns loss metrics."""
+    rt, t = p.rt, p.job.train
+    tokens = batch.num_tokens
+    global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
+    normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
+    totals = dict.fromkeys(("loss", *_TOKEN_WEIGHTED, "entropy"), 0.0)
+    opt.zero_grad(set_to_none=True)
+    micro_batches = batch.split(t.micro_batch or t.per_device_batch)
+    for k, mb in enumerate(micro_batches):
+        sync = k == len(micro_batches) - 1
+        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
+    grad_norm = _clip_gradients(p)
+    opt.step()
+    # Metrics: token-weighted shares were taken of the global count, so a sum over ranks is the mean.
+    for key in (*_TOKEN_WEIGHTED, "entropy"):
+        totals[key] = float(all_reduce_sum(rt, totals[key]))
+    totals["loss"] = p.loss.global_loss(float(all_reduce_sum(rt, totals["loss"])), rt.policy_size)
+    totals["grad_norm"] = float(grad_norm)
+    return totals
+
+
+def _accumulate(
+    p: Parts, mb: GenerationBatch, sync: bool, normalizer: float, global_tokens: int, totals: dict, autocast
+) -> None:
+    """Forward and backward of one micro-batch; add its share of the step's metrics to `totals`."""
+    with no_sync(p.train_model, sync), autocast():
+        logp, entropy = sequence_logprobs(
+            p.train_model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.completion_start,
+            temperature=p.job.rollout.temperature,
+        )
+        logp = logp.float()
+        loss, stats = p.loss(logp, mb, normalizer)
+        if not torch.isfinite(loss):
+            bad = (~torch.isfinite(logp) & mb.completion_mask.bool()).any(dim=1).nonzero()
+            row = int(bad[0]) if len(bad) else 0
+            raise UserError(
+                f"the loss is {loss.item()} (non-finite) in a micro-batch; first bad row {row}.",
+                field="train.learning_rate",
+                fix="lower train.learning_rate, use train.precision=fp32, or set train.max_grad_norm=1.0",
+            )
+        (loss * p.loss.rank_scale(p.rt.policy_size)).backward()
+    share = mb.num_tokens / max(global_tokens, 1)
+    totals["loss"] += loss.item()
+    for key in _TOKEN_WEIGHTED:
+        totals[key] += stats[key] * share
+    with torch.no_grad():
+        totals["entropy"] += float((entropy.float() * mb.completion_mask).sum()) / max(global_tokens, 1)
+
+
+def _clip_gradients(p: Parts) -> torch.Tensor:
+    """Clip to `train.max_grad_norm` (0: no clipping); the total norm, refused when not finite."""
+    max_norm = p.job.train.max_grad_norm if p.job.train.max_grad_norm > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(p.train_model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    if not torch.isfinite(grad_norm):
+        raise UserError(
+            f"the gradient norm is {grad_norm.item()} (non-finite).",
+            field="train.learning_rate",
+            fix="lower train.learning_rate or use train.precision=fp32",
+        )
+    return grad_norm
+
+
+def no_sync(model, sync: bool):
+    """DDP: skip the gradient all-reduce on all but the last micro-batch."""
+    if not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
