@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpufleet import dist
+from gpufleet.errors import UserError
 from gpufleet.rl import resume
 from gpufleet.topology import Topology
 
@@ -22,7 +23,7 @@ def test_one_process_without_torchrun_env_is_rank_0_of_1(monkeypatch):
 def test_world_that_does_not_match_the_layout_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "5")
-    with pytest.raises(RuntimeError, match="needs 3 processes"):
+    with pytest.raises(UserError, match="needs 3 processes"):
         dist.init(Topology(1, (0, 1), ((2, ("reference",)),), cpu=True), cpu=True)
 
 

@@ -193,7 +193,9 @@ def test_unreadable_data_file(home):
 def test_good_files_pass(home):
     (home / "d.csv").write_bytes(b'prompt,answer\n"a, b",1\n"say ""hi""",2\n')
     (home / "d.parquet").write_bytes(_parquet([{"prompt": "a", "answer": 1}]))
-    (home / "d.json").write_bytes(b'[{"prompt": "hi", "answer": "1"}]')  # chat rows: test_chat_prompts_need_a_chat_template
+    (home / "d.json").write_bytes(
+        b'[{"prompt": "hi", "answer": "1"}]'
+    )  # chat rows: test_chat_prompts_need_a_chat_template
     (home / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + GOOD_ROWS)
     for name in ("prompts.jsonl", "d.csv", "d.parquet", "d.json", "bom.jsonl"):
         code, out = check(home, f"data.path={name}")

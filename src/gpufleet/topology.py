@@ -95,10 +95,14 @@ class Topology:
     def place(self, rank: int, world_size: int) -> RankPlace:
         """This rank's place; the world torchrun started must be the one the job asks for."""
         if world_size not in (1, self.world_size) or not 0 <= rank < max(world_size, 1):
-            raise RuntimeError(
-                f"rank {rank} of a world of {world_size}, but the job's layout needs {self.world_size} "
-                f"processes ({self.nnodes} node(s) x {len(self.policy_devices)} policy + "
-                f"{len(self.scorer_devices)} scorer)"
+            from gpufleet.errors import UserError
+
+            raise UserError(
+                f"rank {rank} of a world of {world_size} (RANK / WORLD_SIZE in the environment), but the job's "
+                f"layout needs {plural(self.world_size, 'process')} ({plural(self.nnodes, 'node')} x "
+                f"{len(self.policy_devices)} policy + {len(self.scorer_devices)} scorer)",
+                fix="start it with `gpufleet train` (it runs torchrun itself); if RANK / WORLD_SIZE are left "
+                "over in your shell, unset them",
             )
         return self.places()[rank]
 

@@ -14,6 +14,7 @@ from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.hardware import hardware_here, resolve_hardware
 from gpufleet.rules import run_checks
 from gpufleet.rules.resources import holds_run
+from gpufleet.text import plural
 from gpufleet.usercode import pythonpath, roots, use_roots
 
 
@@ -130,7 +131,7 @@ def _header(job: str, jb, topo, hw, out: Path) -> None:
     print(f"gpufleet train {job}: {jb.model.path}; {topo.describe()}; {hw.describe()}", flush=True)
     print(
         f"  {a.name}: G={a.num_generations}, loss {a.loss_type}, {a.importance_level} level, beta {a.beta}; "
-        f"{t.max_steps} steps x {t.per_device_batch * topo.policy_ranks} completions; data {jb.data.path}; "
+        f"{plural(t.max_steps, 'step')} x {t.per_device_batch * topo.policy_ranks} completions; data {jb.data.path}; "
         f"output {out}",
         flush=True,
     )

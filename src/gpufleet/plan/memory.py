@@ -6,7 +6,7 @@ numbers describe what gpufleet's own trainer allocates (src/gpufleet/rl), and te
 holds them against tensors counted on the CPU. Rollout and scoring (no-grad forwards): `inference.py`.
 
 Training state per policy rank (`train_state_bytes`)
-    What our trainer does (`gpufleet.rl.trainer.model_dtype`): `model.dtype: auto` loads float32 weights and
+    What our trainer does (`gpufleet.rl.precision.model_dtype`): `model.dtype: auto` loads float32 weights and
     `train.precision: bf16|fp16` runs the forward under `torch.autocast`, so the fp32 weights *are* the
     master weights:  weights 4 + grads 4 + AdamW exp_avg 4 + exp_avg_sq 4 = 16 bytes per parameter.
     `model.dtype: bfloat16` (or float16) stores the weights in bf16 with **no** fp32 master copy (the
@@ -100,7 +100,7 @@ class Precision:
 
 
 def training_precision(model_dtype: str, train_precision: str) -> Precision:
-    """The policy's dtypes as our trainer sets them up (`gpufleet.rl.trainer.model_dtype` and `autocast_for`).
+    """The policy's dtypes as our trainer sets them up (`gpufleet.rl.precision.model_dtype` and `autocast_for`).
 
     `model.dtype: auto` -> float32 weights (master weights); `train.precision: bf16|fp16` -> autocast.
     """
