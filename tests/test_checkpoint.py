@@ -159,8 +159,9 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
         if latest is not None:
             assert (latest / "trainer_state.json").is_file() and (latest / "optimizer.pt").is_file()
             load_file(latest / "model.safetensors")  # complete and readable
-            pointer = (root / "latest").read_text().strip()
-            assert (root / pointer / "trainer_state.json").is_file()
+            if (root / "latest").exists():  # killed between the rename and the pointer: latest() scans
+                pointer = (root / "latest").read_text().strip()
+                assert (root / pointer / "trainer_state.json").is_file()
             resumed_from.append(checkpoint.load_state(latest).step)
         if before is not None:
             assert (
