@@ -116,23 +116,23 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return EXIT_USER_ERROR
     try:
         if args.verb == "check":
-            from gpufleet.commands import check
+            from gpufleet.verbs.check import check
 
             return check(args.job, args.sets, args.gpus, env)
         if args.verb == "config":
-            from gpufleet.commands import show_config
+            from gpufleet.verbs.config import show_config
 
             return show_config(args.job, args.sets, args.format, env, explain=args.explain)
         if args.verb == "plan":
-            from gpufleet.plan.command import plan_command
+            from gpufleet.verbs.plan import plan_command
 
             return plan_command(args.job, args.sets, args.gpus, args.format, env)
         if args.verb == "export":
-            from gpufleet.launch.export import export_command
+            from gpufleet.verbs.export import export_command
 
             return export_command(args.run_dir, args.step, args.to)
         if args.verb == "launch":
-            from gpufleet.launch.script import launch_command
+            from gpufleet.verbs.launch import launch_command
 
             return launch_command(
                 args.job, args.sets, args.gpus, env, command, nproc=args.nproc, dry_run=args.dry_run
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
             return run_worker(args.job, args.gpus)
         if args.verb == "train":
-            from gpufleet.launch.train import train_command
+            from gpufleet.verbs.train import train_command
 
             return train_command(
                 args.job, args.sets, args.gpus, env, print_launch=args.print_launch, force=args.force
