@@ -31,6 +31,20 @@ def chars(prompts: list[str], completions: list[Any], **columns: Any) -> list[fl
     return [char_match(as_text(c), str(t)) for c, t in zip(completions, targets, strict=True)]
 
 
+def stops(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """Dense reward in [0, 1] for stopping at the target's length, whatever the characters:
+    1 - |len(completion) - len(target)| / len(target), at least 0.
+
+    "kkkk" and "zzzzzzzzzzzz" score 0.5 against "kkkkkkkk". It pays a completion for ending with <eos>
+    near the right place before any character is right, which a random model does now and then.
+    """
+    targets = column(columns, "target", len(completions), "repeat/stops")
+    return [
+        max(0.0, 1.0 - abs(len(as_text(c)) - len(str(t))) / max(1, len(str(t))))
+        for c, t in zip(completions, targets, strict=True)
+    ]
+
+
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the completion is exactly the target, else 0.0 (a metric more than a training signal)."""
     targets = column(columns, "target", len(completions), "repeat/exact")
@@ -41,8 +55,8 @@ TASK = Task(
     name="repeat",
     description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
     make_example=make_example,
-    reward_functions={"chars": chars, "exact": exact},
-    default_rewards=["repeat/chars"],
+    reward_functions={"chars": chars, "stops": stops, "exact": exact},
+    default_rewards=["repeat/chars", "repeat/stops"],
     # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
     # after 150-212 steps (7-11 s) and >= 0.99 by step 400 (~21 s), for seeds 0-7. Also >= 0.8 within
