@@ -64,6 +64,16 @@ def test_repeat_stops_reward_by_hand():
     assert stops(["k:"], [None], target=["kkkkkkkk"]) == [0.0]
 
 
+def test_repeat_default_reward_is_half_chars_half_stops():
+    assert get_task("repeat").default_rewards == ["repeat/chars_and_stop"]
+    both = builtin_reward("repeat/chars_and_stop")
+    # "kkkkkkkk": 1 and 1; "kkkk": 0.5 and 0.5; "k" * 12 (never stopped in a budget of 12): 8/12 and 0.5;
+    # "zzzzzzzz": 0 and 1 (stopping is paid before any character is right).
+    completions = ["kkkkkkkk", "kkkk", "k" * 12, "zzzzzzzz"]
+    scores = both(["k:"] * 4, completions, target=["kkkkkkkk"] * 4)
+    assert scores == pytest.approx([1.0, 0.5, (8 / 12 + 0.5) / 2, 0.5])
+
+
 def test_repeat_exact_reward():
     exact = builtin_reward("repeat/exact")
     assert exact(["a:"] * 3, ["aaaaaaaa", "aaaaaaa", "aaaaaaaaa"], target=["aaaaaaaa"] * 3) == [1.0, 0.0, 0.0]

@@ -45,6 +45,12 @@ def stops(prompts: list[str], completions: list[Any], **columns: Any) -> list[fl
     ]
 
 
+def chars_and_stop(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """The default reward, in [0, 1]: half ``chars``, half ``stops``. 1 only for the target then <eos>."""
+    both = zip(chars(prompts, completions, **columns), stops(prompts, completions, **columns), strict=True)
+    return [0.5 * c + 0.5 * s for c, s in both]
+
+
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the completion is exactly the target, else 0.0 (a metric more than a training signal)."""
     targets = column(columns, "target", len(completions), "repeat/exact")
@@ -55,8 +61,8 @@ TASK = Task(
     name="repeat",
     description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
     make_example=make_example,
-    reward_functions={"chars": chars, "stops": stops, "exact": exact},
-    default_rewards=["repeat/chars", "repeat/stops"],
+    reward_functions={"chars": chars, "stops": stops, "chars_and_stop": chars_and_stop, "exact": exact},
+    default_rewards=["repeat/chars_and_stop"],
     # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
     # after 150-212 steps (7-11 s) and >= 0.99 by step 400 (~21 s), for seeds 0-7. Also >= 0.8 within
