@@ -13,9 +13,6 @@ stream per *row*:
   differ in the last bits between batch shapes, which flips a token only when a uniform falls within
   ~1e-7 of a CDF boundary.
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
-* The pad token is never sampled (when it is not also the EOS token): it decodes to no text, so a
-  completion holding one would read shorter than it is, and a reward on the text (length, stopping)
-  would pay a random model for emitting it instead of EOS.
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
   row is done.
 * Llama / Qwen2 / Qwen3 / Mistral models (plain modules, float32, no sliding window in the way, ...)
@@ -242,7 +239,6 @@ def _decode(
         # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
         # each other), so every kept logit is the same; HF skips building and checking the mask.
         unpadded = bool(prompt_mask.all())
-    pad_index = torch.tensor([pad_token_id], device=device)
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
         if decoder is not None:  # the same rule: tokens after EOS go unmasked, their logits unused
@@ -259,8 +255,6 @@ def _decode(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-        if pad_token_id != eos_token_id:  # see the module docstring: a pad token is never sampled
-            logits = logits.index_fill(-1, pad_index, float("-inf"))
         token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
