@@ -57,21 +57,32 @@ def test_repeat_examples_and_chars_reward_by_hand():
 
 def test_repeat_stops_reward_by_hand():
     stops = builtin_reward("repeat/stops")
-    # 1 - |length - 8| / 8 at least 0, whatever the characters; None is the empty completion.
-    completions = ["kkkkkkkk", "zzzzzzzz", "kkkkkkk", "kkkkkkkkkk", "kkkk", "k" * 12, "k" * 16, "k" * 20, ""]
+    # 1 at length 8 whatever the characters; 1/8 less per missing character, 2/8 less per extra one.
+    completions = [
+        "kkkkkkkk",
+        "zzzzzzzz",
+        "kkkkkkk",
+        "kkkk",
+        "",
+        "kkkkkkkkk",
+        "kkkkkkkkkk",
+        "k" * 12,
+        "k" * 20,
+    ]
     scores = stops(["k:"] * 9, completions, target=["kkkkkkkk"] * 9)
-    assert scores == pytest.approx([1.0, 1.0, 7 / 8, 6 / 8, 0.5, 0.5, 0.0, 0.0, 0.0])
+    assert scores == pytest.approx([1.0, 1.0, 7 / 8, 0.5, 0.0, 6 / 8, 0.5, 0.0, 0.0])
     assert stops(["k:"], [None], target=["kkkkkkkk"]) == [0.0]
+    assert stops(["k:"] * 2, ["", "x"], target=["", ""]) == [1.0, 0.0]
 
 
 def test_repeat_default_reward_is_half_chars_half_stops():
     assert get_task("repeat").default_rewards == ["repeat/chars_and_stop"]
     both = builtin_reward("repeat/chars_and_stop")
-    # "kkkkkkkk": 1 and 1; "kkkk": 0.5 and 0.5; "k" * 12 (never stopped in a budget of 12): 8/12 and 0.5;
+    # "kkkkkkkk": 1 and 1; "kkkk": 0.5 and 0.5; "k" * 12 (never stopped in a budget of 12): 8/12 and 0;
     # "zzzzzzzz": 0 and 1 (stopping is paid before any character is right).
     completions = ["kkkkkkkk", "kkkk", "k" * 12, "zzzzzzzz"]
     scores = both(["k:"] * 4, completions, target=["kkkkkkkk"] * 4)
-    assert scores == pytest.approx([1.0, 0.5, (8 / 12 + 0.5) / 2, 0.5])
+    assert scores == pytest.approx([1.0, 0.5, 8 / 12 / 2, 0.5])
 
 
 def test_repeat_exact_reward():

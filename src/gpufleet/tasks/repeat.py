@@ -32,17 +32,22 @@ def chars(prompts: list[str], completions: list[Any], **columns: Any) -> list[fl
 
 
 def stops(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
-    """Dense reward in [0, 1] for stopping at the target's length, whatever the characters:
-    1 - |len(completion) - len(target)| / len(target), at least 0.
+    """Dense reward in [0, 1] for ending at the target's length n, whatever the characters: 1 at
+    length n, falling to 0 at length 0 and, twice as fast, at length 1.5 n (12 for "kkkkkkkk").
 
-    "kkkk" and "zzzzzzzzzzzz" score 0.5 against "kkkkkkkk". It pays a completion for ending with <eos>
-    near the right place before any character is right, which a random model does now and then.
+    With a budget of 1.5 n a completion that never emits <eos> scores 0 and any <eos> after the first
+    token scores more, so a random model is paid for stopping at all, then for stopping in the right place.
     """
     targets = column(columns, "target", len(completions), "repeat/stops")
-    return [
-        max(0.0, 1.0 - abs(len(as_text(c)) - len(str(t))) / max(1, len(str(t))))
-        for c, t in zip(completions, targets, strict=True)
-    ]
+    return [length_score(len(as_text(c)), len(str(t))) for c, t in zip(completions, targets, strict=True)]
+
+
+def length_score(length: int, n: int) -> float:
+    """1 at ``length == n``; linear to 0 at 0 and at 1.5 n; 0 beyond. An empty target wants length 0."""
+    if n == 0:
+        return float(length == 0)
+    over = length - n
+    return max(0.0, 1.0 - (2 * over if over > 0 else -over) / n)
 
 
 def chars_and_stop(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
