@@ -17,7 +17,6 @@ from gpufleet.tasks.base import Task, as_text, char_match, column, example_rng
 
 LETTERS = string.ascii_lowercase
 LENGTH = 8
-CHARS_WEIGHT = 0.8
 
 
 def make_example(index: int, seed: int) -> dict[str, Any]:
@@ -52,9 +51,13 @@ def length_score(length: int, n: int) -> float:
 
 
 def chars_and_stop(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
-    """The default reward, in [0, 1]: 0.8 ``chars`` + 0.2 ``stops``. 1 only for the target then <eos>."""
+    """The default reward, in [0, 1]: ``chars`` x (1 + ``stops``) / 2. 1 only for the target then <eos>.
+
+    A product, not a sum: a completion with no right character scores 0 however it ends, so stopping is
+    paid only along with content and never reinforces junk (see the module docstring).
+    """
     both = zip(chars(prompts, completions, **columns), stops(prompts, completions, **columns), strict=True)
-    return [CHARS_WEIGHT * c + (1 - CHARS_WEIGHT) * s for c, s in both]
+    return [c * (1 + s) / 2 for c, s in both]
 
 
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
