@@ -75,16 +75,6 @@ def test_repeat_stops_reward_by_hand():
     assert stops(["k:"] * 2, ["", "x"], target=["", ""]) == [1.0, 0.0]
 
 
-def test_repeat_default_reward_is_chars_scaled_by_stops():
-    assert get_task("repeat").default_rewards == ["repeat/chars_and_stop"]
-    both = builtin_reward("repeat/chars_and_stop")
-    # chars x (1 + stops) / 2. "kkkkkkkk": 1 x 1; "kkkk": 0.5 x 0.75; "k" * 12 (never stopped in a budget
-    # of 12): 8/12 x 0.5; "kkkkkkkkk": 8/9 x 0.875; "zzzzzzzz": 0, the right length pays nothing alone.
-    completions = ["kkkkkkkk", "kkkk", "k" * 12, "kkkkkkkkk", "zzzzzzzz"]
-    scores = both(["k:"] * 5, completions, target=["kkkkkkkk"] * 5)
-    assert scores == pytest.approx([1.0, 0.375, 1 / 3, 8 / 9 * 0.875, 0.0])
-
-
 def test_repeat_exact_reward():
     exact = builtin_reward("repeat/exact")
     assert exact(["a:"] * 3, ["aaaaaaaa", "aaaaaaa", "aaaaaaaaa"], target=["aaaaaaaa"] * 3) == [1.0, 0.0, 0.0]

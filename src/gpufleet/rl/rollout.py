@@ -13,12 +13,6 @@ stream per *row*:
   differ in the last bits between batch shapes, which flips a token only when a uniform falls within
   ~1e-7 of a CDF boundary.
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
-* A model whose config names a pad token other than its EOS never samples that token and
-  ``sequence_logprobs`` scores with it removed too (``silent_token``), so the policy sampled is the
-  policy trained. Pad decodes to no text: a random model (the built-in ones) would otherwise learn to
-  emit pads to make a completion read shorter, and a reward on its text (length, stopping) would pay
-  for that instead of EOS. Removing it from sampling alone is worse: pad, never sampled, soaks up the
-  probability mass (entropy fell to 0.05 by step 70 on the quickstart).
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
   row is done.
 * Llama / Qwen2 / Qwen3 / Mistral models (plain modules, float32, no sliding window in the way, ...)
@@ -49,22 +43,6 @@ FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 
 _CHUNK_ELEMENTS = 1 << 24
 """Default time chunk of ``sequence_logprobs``: about this many (batch x time x vocab) floats at once."""
-
-
-def silent_token(model: torch.nn.Module) -> int | None:
-    """The pad token id of ``model``'s config when it is not an EOS id: never sampled, never scored."""
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
-    return None if pad is None or pad in (eos if isinstance(eos, list) else [eos]) else pad
-
-
-def _silence(logits: torch.Tensor, token: int | None) -> torch.Tensor:
-    """``logits`` with ``token``'s set to the lowest float: probability exactly 0, entropy still finite."""
-    return (
-        logits
-        if token is None
-        else logits.index_fill(-1, torch.tensor([token], device=logits.device), torch.finfo(logits.dtype).min)
-    )
 
 
 @dataclass
@@ -261,7 +239,6 @@ def _decode(
         # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
         # each other), so every kept logit is the same; HF skips building and checking the mask.
         unpadded = bool(prompt_mask.all())
-    silent = silent_token(model)
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
         if decoder is not None:  # the same rule: tokens after EOS go unmasked, their logits unused
@@ -278,7 +255,6 @@ def _decode(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-        logits = _silence(logits.float(), silent)
         token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
@@ -308,19 +284,15 @@ def _decode(
 
 
 def _token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, silent: int | None = None
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32;
-    the token ``silent`` (see ``silent_token``) has probability 0."""
+    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logits = _silence(logits, silent)
     log_z = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-    if silent is not None:  # only the padding after EOS holds it: masked by the caller, kept finite here
-        logp = logp.masked_fill(targets == silent, 0.0)
     return logp, entropy
 
 
@@ -358,10 +330,9 @@ def sequence_logprobs(
     if chunk is None:
         chunk = max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
     recompute = torch.is_grad_enabled() and logits.requires_grad
-    silent = silent_token(model)
     logps, entropies = [], []
     for start in range(0, steps, chunk):
-        piece = (logits[:, start : start + chunk], targets[:, start : start + chunk], temperature, silent)
+        piece = (logits[:, start : start + chunk], targets[:, start : start + chunk], temperature)
         if recompute:
             logp, entropy = checkpoint(_token_stats, *piece, use_reentrant=False)
         else:

@@ -5,7 +5,33 @@
 The smallest task that still needs the prompt: a randomly initialised tiny Qwen2 scores about 0.01
 and learns it by RL alone (no warm start) in about 200 GRPO steps, under a minute on 2 CPU cores.
 The reward charges for extra characters, so with a budget longer than 8 the model must also stop;
-the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``).
+the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``), and a model trained
+so does not end with <eos> (issue 17 item 8, still open).
+
+Teaching it to stop (issue 17 item 8), measured on the quickstart settings (128 completions/step,
+lr 3e-3, temperature 1, grpo), seed 0 only, 1-3 min each. "Stops": completions/clipped_ratio 0.
+"Letters": ``chars`` near its maximum for the budget.
+
+* The built-in models' <pad> (id 0) is a live token at random init and decodes to no text, so
+  "kkkkkkkk<pad>" reads "kkkkkkkk", as if it had stopped. Budget 9, 0.5 ``chars`` + 0.5 x (length 8):
+  42% of completions got the length bonus by step 16, nearly all through <pad> (clipped ratio 0.98).
+  Masking pad in sampling only let pad, never sampled, soak up the mass (entropy 2.4 -> 0.05 at step
+  70). Masking it in sampling and in ``sequence_logprobs`` (commit 9a49936 on branch wt-demo, reverted
+  since: gpufleet/rl/rollout.py is outside this task) removes that; the lines below are with it.
+* Budget 9, ``chars`` alone (pad live): letters (0.71 of 0.89 at step 160); never stops (clipped 1.0
+  from step 91). Budget 9, 0.8 ``chars`` + 0.2 x (length 8): the same at step 400 (0.71).
+* Budget 12, ``chars`` + ``stops`` summed, 0.5/0.5 or 0.8/0.2: stops by step 31-36, then the letters do
+  not come (``chars`` about 0.05 at steps 131-156): the length alone drives the group-normalised
+  advantages of groups with no right letter, which reinforces junk. 0.8/0.2 with
+  algorithm.scale_rewards=batch: the same at step 400. 0.95/0.05 with batch: stops by step 91, letters
+  in part (reward 0.3-0.6 over steps 240-400, several letters mapped to "k"). 0.98/0.02: neither.
+* Budget 12, ``chars`` x (1 + ``stops``) / 2 (stopping paid only along with a right letter): letters
+  (the truncated maximum 1/3 by step 200), never stops (clipped 1.0 from step 60). With precision
+  (right / produced) in place of ``chars``: neither by step 400.
+
+Either the stop is learned first, from a letter-free signal, and the letters then come slowly, or the
+letters come first and <eos> at position 9 is not sampled again. Untried: a curriculum on the budget,
+an entropy bonus, more steps or seeds.
 """
 
 from __future__ import annotations
@@ -50,16 +76,6 @@ def length_score(length: int, n: int) -> float:
     return max(0.0, 1.0 - (2 * over if over > 0 else -over) / n)
 
 
-def chars_and_stop(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
-    """The default reward, in [0, 1]: ``chars`` x (1 + ``stops``) / 2. 1 only for the target then <eos>.
-
-    A product, not a sum: a completion with no right character scores 0 however it ends, so stopping is
-    paid only along with content and never reinforces junk (see the module docstring).
-    """
-    both = zip(chars(prompts, completions, **columns), stops(prompts, completions, **columns), strict=True)
-    return [c * (1 + s) / 2 for c, s in both]
-
-
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the completion is exactly the target, else 0.0 (a metric more than a training signal)."""
     targets = column(columns, "target", len(completions), "repeat/exact")
@@ -70,8 +86,8 @@ TASK = Task(
     name="repeat",
     description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
     make_example=make_example,
-    reward_functions={"chars": chars, "stops": stops, "chars_and_stop": chars_and_stop, "exact": exact},
-    default_rewards=["repeat/chars_and_stop"],
+    reward_functions={"chars": chars, "stops": stops, "exact": exact},
+    default_rewards=["repeat/chars"],
     # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
     # after 150-212 steps (7-11 s) and >= 0.99 by step 400 (~21 s), for seeds 0-7. Also >= 0.8 within
