@@ -24,7 +24,9 @@ lr 3e-3, temperature 1, grpo), seed 0 only, 1-3 min each. "Stops": completions/c
   not come (``chars`` about 0.05 at steps 131-156): the length alone drives the group-normalised
   advantages of groups with no right letter, which reinforces junk. 0.8/0.2 with
   algorithm.scale_rewards=batch: the same at step 400. 0.95/0.05 with batch: stops by step 91, letters
-  in part (reward 0.3-0.6 over steps 240-400, several letters mapped to "k"). 0.98/0.02: neither.
+  in part (reward 0.3-0.6 over steps 240-400, several letters mapped to "k"; greedy from the export:
+  "k:" -> "kkkkkkkk<eos>", "a:" -> "qqqqqqqq<eos>"); run on to 1000 steps it stays at 0.2-0.76, then
+  stops stopping (clipped 0.97 at step 961). 0.98/0.02: neither by step 400.
 * Budget 12, ``chars`` x (1 + ``stops``) / 2 (stopping paid only along with a right letter): letters
   (the truncated maximum 1/3 by step 200), never stops (clipped 1.0 from step 60). With precision
   (right / produced) in place of ``chars``: neither by step 400.
