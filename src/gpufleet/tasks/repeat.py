@@ -19,7 +19,7 @@ lr 3e-3, temperature 1, grpo), seed 0 only, 1-3 min each. "Stops": completions/c
   70). Masking it in sampling and in ``sequence_logprobs`` (commit 9a49936 on branch wt-demo, reverted
   since: gpufleet/rl/rollout.py is outside this task) removes that; the lines below are with it.
 * Budget 9, ``chars`` alone (pad live): letters (0.71 of 0.89 at step 160); never stops (clipped 1.0
-  from step 91). Budget 9, 0.8 ``chars`` + 0.2 x (length 8): the same at step 400 (0.71).
+  from step 91 to 168, where it was cut). Budget 9, 0.8 ``chars`` + 0.2 x (length 8): the same at step 400 (0.71).
 * Budget 12, ``chars`` + ``stops`` summed, 0.5/0.5 or 0.8/0.2: stops by step 31-36, then the letters do
   not come (``chars`` about 0.05 at steps 131-156): the length alone drives the group-normalised
   advantages of groups with no right letter, which reinforces junk. 0.8/0.2 with
