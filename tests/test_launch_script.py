@@ -238,3 +238,45 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in scripts) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in scripts), "the user's script outlived the launch"
+
+
+@pytest.mark.slow
+def test_a_script_shipped_in_accelerate_runs_on_two_processes(tmp_path):
+    """Issue 10 item 5: a real training script nobody here wrote (accelerate's gradient-sync test: DDP,
+    gradient accumulation, no_sync), launched as a user would."""
+    p = run_user(
+        "launch",
+        "--gpus",
+        "cpu",
+        "--nproc",
+        "2",
+        "--set",
+        "output.dir=run",
+        "--",
+        "python",
+        "-m",
+        "accelerate.test_utils.scripts.test_sync",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "gradient accumulation" in p.stdout and "done: 2 ranks finished" in p.stdout
+    assert (tmp_path / "run" / "logs" / "rank1.log").read_text().count("Test") >= 3
+
+
+@pytest.mark.parametrize(
+    "example, gpus, expected",
+    [
+        ("lerobot-act.yaml", "4x24GB", "--batch_size=16 --steps=100000 --optimizer.lr=0.0001"),
+        ("rdt-libero.yaml", "2x24GB", "--train_batch_size=8 --gradient_accumulation_steps=1"),
+        ("ms-swift-grpo.yaml", "4x24GB", "--per_device_train_batch_size 4 --gradient_accumulation_steps 1"),
+    ],
+)
+def test_examples_for_the_user_notes_scale_with_dry_run(tmp_path, example, gpus, expected):
+    """Issue 10 item 5: LeRobot / RDT / ms-swift command lines, their placeholders filled for N GPUs (the
+    packages are not installed here: a missing command is a warning for --dry-run, which runs nothing)."""
+    job = Path(__file__).resolve().parents[1] / "examples" / "launch" / example
+    p = run_user("launch", str(job), "--gpus", gpus, "--dry-run", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert expected in p.stdout and "{" not in p.stdout.splitlines()[0], p.stdout
+    assert not (tmp_path / "runs").exists()

@@ -54,7 +54,7 @@ def launch_command(
     out = Path(jb.output.dir).expanduser()
     values = recipe.values(now, per_node, str(out))
     argv = recipe.fill(cmd, values)
-    problems = _problems(argv, per_node, hw, jb)
+    problems = _problems(argv, per_node, hw, jb, dry_run)
     print(f"gpufleet launch: {shlex.join(argv)}")
     print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
     if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
@@ -82,21 +82,23 @@ def _env_name(key: str) -> str:
     return f"GPUFLEET_{key.upper()}"
 
 
-def _problems(argv: list[str], per_node: int, hw: Hardware, jb) -> list[tuple[str, str]]:
-    """(level, line) for everything that would stop or slow the run, all at once."""
+def _problems(argv: list[str], per_node: int, hw: Hardware, jb, dry_run: bool) -> list[tuple[str, str]]:
+    """(level, line) for everything that would stop or slow the run, all at once. A missing script or
+    command is only a warning for --dry-run (a plan for another machine, where it is installed)."""
     out: list[tuple[str, str]] = []
+    missing = "warning" if dry_run else "error"
     script = _script_file(argv)
     if script is not None and not script.is_file():
         out.append(
             (
-                "error",
+                missing,
                 f"script.command: {script} does not exist (from {os.getcwd()}). Fix: the path of the script",
             )
         )
     elif script is None and shutil.which(argv[0]) is None:
         out.append(
             (
-                "error",
+                missing,
                 f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path",
             )
         )
