@@ -34,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4): process counts, each >= 1."""
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give process counts like 1,2,4")
+    return counts
+
+
 def _job_verb(sub, name: str, help: str, gpus: str, job_optional: bool = False) -> argparse.ArgumentParser:
     """A verb on a job file: JOB, --set, and --gpus when `gpus` says what it means."""
     sp = sub.add_parser(name, help=help, description=help)
@@ -109,6 +120,16 @@ def _run_verbs(sub) -> None:
     la.add_argument(
         "--dry-run", action="store_true", help="check, print the scaled recipe and the command; run nothing"
     )
+    la.add_argument(
+        "--scaling",
+        type=_counts,
+        default=(),
+        metavar="N,M,...",
+        help="run briefly at each process count and report samples/s, speed-up and efficiency",
+    )
+    la.add_argument(
+        "--scaling-seconds", type=float, default=60.0, metavar="S", help="how long each --scaling run lasts"
+    )
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -165,7 +186,15 @@ def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -
         from gpufleet.verbs.launch import launch_command
 
         return launch_command(
-            args.job, args.sets, args.gpus, env, command, nproc=args.nproc, dry_run=args.dry_run
+            args.job,
+            args.sets,
+            args.gpus,
+            env,
+            command,
+            nproc=args.nproc,
+            dry_run=args.dry_run,
+            scaling=args.scaling,
+            scaling_seconds=args.scaling_seconds,
         )
     if args.verb == "train" and args.worker:
         from gpufleet.launch.worker import run_worker
