@@ -5,7 +5,7 @@
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
-    gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] -- CMD ...   anyone's script on N processes
+    gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] [--scaling 1,2] -- CMD ...   anyone's script on N processes
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
 """
