@@ -40,7 +40,7 @@ def plan_argv(job: str, gpus: str, verb: bool) -> list[str]:
     if verb:
         return [sys.executable, "-m", "gpufleet", "plan", job, "--gpus", gpus]
     code = (
-        "import sys; from gpufleet.plan.command import plan_command; "
+        "import sys; from gpufleet.verbs.plan import plan_command; "
         f"sys.exit(plan_command({job!r}, [], {gpus!r}, 'table', {{}}))"
     )
     return [sys.executable, "-c", code]
@@ -65,7 +65,7 @@ def main() -> None:
         Path(big).write_text(BIG)
         commands = {
             "python -c pass": [sys.executable, "-c", "pass"],
-            "import gpufleet.plan.command": [sys.executable, "-c", "import gpufleet.plan.command"],
+            "import gpufleet.verbs.plan": [sys.executable, "-c", "import gpufleet.verbs.plan"],
             "plan gspo-3gpu 3x16GB (fits)": plan_argv(GSPO, "3x16GB", verb),
             "plan gspo-3gpu 2x16GB (layouts)": plan_argv(GSPO, "2x16GB", verb),
             "plan 7B 1x24GB (all fixes)": plan_argv(big, "1x24GB", verb),
@@ -80,7 +80,7 @@ def main() -> None:
         import contextlib
         import io
 
-        from gpufleet.plan.command import plan_command
+        from gpufleet.verbs.plan import plan_command
 
         print("in-process plan_command (imports done):")
         for name, job, gpus in (

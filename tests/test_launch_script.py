@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -238,3 +239,87 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in scripts) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in scripts), "the user's script outlived the launch"
+
+
+@pytest.mark.slow
+def test_a_script_shipped_in_accelerate_runs_on_two_processes(tmp_path):
+    """Issue 10 item 5: a real training script nobody here wrote (accelerate's gradient-sync test: DDP,
+    gradient accumulation, no_sync), launched as a user would."""
+    p = run_user(
+        "launch",
+        "--gpus",
+        "cpu",
+        "--nproc",
+        "2",
+        "--set",
+        "output.dir=run",
+        "--",
+        "python",
+        "-m",
+        "accelerate.test_utils.scripts.test_sync",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "gradient accumulation" in p.stdout and "done: 2 ranks finished" in p.stdout
+    assert (tmp_path / "run" / "logs" / "rank1.log").read_text().count("Test") >= 3
+
+
+@pytest.mark.parametrize(
+    "example, gpus, expected",
+    [
+        ("lerobot-act.yaml", "4x24GB", "--batch_size=16 --steps=100000 --optimizer.lr=0.0001"),
+        ("rdt-libero.yaml", "2x24GB", "--train_batch_size=8 --gradient_accumulation_steps=1"),
+        ("ms-swift-grpo.yaml", "4x24GB", "--per_device_train_batch_size 4 --gradient_accumulation_steps 1"),
+    ],
+)
+def test_examples_for_the_user_notes_scale_with_dry_run(tmp_path, example, gpus, expected):
+    """Issue 10 item 5: LeRobot / RDT / ms-swift command lines, their placeholders filled for N GPUs (the
+    packages are not installed here: a missing command is a warning for --dry-run, which runs nothing)."""
+    job = Path(__file__).resolve().parents[1] / "examples" / "launch" / example
+    p = run_user("launch", str(job), "--gpus", gpus, "--dry-run", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert expected in p.stdout and "{" not in p.stdout.splitlines()[0], p.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_scaling_arithmetic_by_hand():
+    from gpufleet.launch.scaling import Point, table, throughput
+
+    assert throughput([Point(10.0, 100), Point(12.0, 300), Point(14.0, 500)]) == 100.0
+    assert throughput([Point(1.0, 5)]) is None
+    text = table([(1, 100.0), (2, 150.0), (4, None)])
+    assert "1.50x" in text and "75%" in text and "fewer than 2 progress lines" in text
+
+
+SCALING_DDP = """
+import sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from gpufleet.progress import report
+dist.init_process_group("gloo")
+rank, world, bs = dist.get_rank(), dist.get_world_size(), int(sys.argv[1])
+model = DDP(torch.nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+step = 0
+while True:
+    loss = model(torch.randn(bs, 64)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step(); step += 1
+    if rank == 0 and step % 5 == 0:
+        report(step * bs * world)
+"""
+
+
+@pytest.mark.slow
+def test_scaling_measures_each_process_count(tmp_path):
+    """Issue 10 item 4: --scaling runs a real DDP script at 1 and 2 processes and reports samples/s."""
+    home = folder(tmp_path, ddp=SCALING_DDP)
+    p = run_user(
+        "launch", "job.yaml", "--gpus", "cpu", "--scaling", "1,2", "--scaling-seconds", "8",
+        "--", "python", "ddp.py", "{per_device_batch}", cwd=home, timeout=180,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if re.match(r"\s+[12]\s+\d+\.\d", line)]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[1]) > 0 for r in rows), p.stdout
+    assert "python ddp.py 4" in p.stdout  # effective batch 8 kept: 4 per process on 2
+    assert "share the same cores" in p.stdout
+    assert (home / "run" / "scaling-2" / "logs" / "progress.jsonl").is_file()

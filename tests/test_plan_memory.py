@@ -244,8 +244,8 @@ def test_overhead_setting():
 def test_plan_modules_import_no_torch():
     code = (
         "import sys\n"
-        "import gpufleet.plan.command, gpufleet.plan.search, gpufleet.plan.fit_rule, gpufleet.plan.memory\n"
-        "from gpufleet.plan.command import plan_command\n"
+        "import gpufleet.verbs.plan, gpufleet.plan.search, gpufleet.plan.fit_rule, gpufleet.plan.memory\n"
+        "from gpufleet.verbs.plan import plan_command\n"
         "code = plan_command('examples/gspo-3gpu.yaml', [], '3x16GB', 'json', {})\n"
         "assert code == 0, code\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"

@@ -13,7 +13,6 @@ import yaml
 from gpufleet.config.load import load_job
 from gpufleet.hardware import GiB, parse_gpu_spec
 from gpufleet.plan.change import Change, apply, changes, merge
-from gpufleet.plan.command import plan_command
 from gpufleet.plan.fit_rule import fit_problems
 from gpufleet.plan.fixes import find_fixes
 from gpufleet.plan.largest import largest_that_fits
@@ -21,6 +20,7 @@ from gpufleet.plan.loads import HEADROOM, Plan, PlanError
 from gpufleet.plan.search import make_plan
 from gpufleet.plan.shape import load_models
 from gpufleet.rules import run_checks
+from gpufleet.verbs.plan import plan_command
 
 ROOT = Path(__file__).resolve().parents[1]
 GSPO = str(ROOT / "examples" / "gspo-3gpu.yaml")
@@ -349,7 +349,7 @@ def test_bad_format_and_overhead_setting(capsys):
 
 def test_train_applies_the_auto_choice(tmp_path):
     """`gpufleet train` turns the planner's auto choice into the placement it launches (before launch)."""
-    from gpufleet.launch.train import _auto_placement
+    from gpufleet.verbs.train import _auto_placement
 
     job = write_job(
         tmp_path,

@@ -55,6 +55,26 @@ def test_repeat_examples_and_chars_reward_by_hand():
     assert scores == pytest.approx([1.0, 0.0, 0.5, 0.8, 0.5, 7 / 8, 0.0, 0.5])
 
 
+def test_repeat_stops_reward_by_hand():
+    stops = builtin_reward("repeat/stops")
+    # 1 at length 8 whatever the characters; 1/8 less per missing character, 2/8 less per extra one.
+    completions = [
+        "kkkkkkkk",
+        "zzzzzzzz",
+        "kkkkkkk",
+        "kkkk",
+        "",
+        "kkkkkkkkk",
+        "kkkkkkkkkk",
+        "k" * 12,
+        "k" * 20,
+    ]
+    scores = stops(["k:"] * 9, completions, target=["kkkkkkkk"] * 9)
+    assert scores == pytest.approx([1.0, 1.0, 7 / 8, 0.5, 0.0, 6 / 8, 0.5, 0.0, 0.0])
+    assert stops(["k:"], [None], target=["kkkkkkkk"]) == [0.0]
+    assert stops(["k:"] * 2, ["", "x"], target=["", ""]) == [1.0, 0.0]
+
+
 def test_repeat_exact_reward():
     exact = builtin_reward("repeat/exact")
     assert exact(["a:"] * 3, ["aaaaaaaa", "aaaaaaa", "aaaaaaaaa"], target=["aaaaaaaa"] * 3) == [1.0, 0.0, 0.0]

@@ -5,7 +5,7 @@
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
-    gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] -- CMD ...   anyone's script on N processes
+    gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] [--scaling 1,2] -- CMD ...   anyone's script on N processes
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
 """
@@ -16,8 +16,11 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 from gpufleet.errors import EXIT_USER_ERROR, UserError
+
+WHAT_IF = "auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,23 +29,43 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
+    _info_verbs(sub)
+    _run_verbs(sub)
+    return p
 
-    def job_verb(name: str, help: str, gpus: str, job_optional: bool = False) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("job", nargs="?" if job_optional else None, help="the job file (YAML)")
-        sp.add_argument(
-            "--set",
-            dest="sets",
-            action="append",
-            default=[],
-            metavar="SECTION.FIELD=VALUE",
-            help="override one field (repeatable; wins over the file and GPUFLEET_* env)",
-        )
-        if gpus:
-            sp.add_argument("--gpus", default="auto", metavar="SPEC", help=gpus)
-        return sp
 
-    what_if = "auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB"
+def _counts(text: str) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4): process counts, each >= 1."""
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give process counts like 1,2,4")
+    return counts
+
+
+def _job_verb(sub, name: str, help: str, gpus: str, job_optional: bool = False) -> argparse.ArgumentParser:
+    """A verb on a job file: JOB, --set, and --gpus when `gpus` says what it means."""
+    sp = sub.add_parser(name, help=help, description=help)
+    sp.add_argument("job", nargs="?" if job_optional else None, help="the job file (YAML)")
+    sp.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field (repeatable; wins over the file and GPUFLEET_* env)",
+    )
+    if gpus:
+        sp.add_argument("--gpus", default="auto", metavar="SPEC", help=gpus)
+    return sp
+
+
+def _info_verbs(sub) -> None:
+    """The verbs that only read and print: check, config, plan."""
+    what_if = WHAT_IF
+    job_verb = partial(_job_verb, sub)
     job_verb(
         "check",
         "check every rule of a job before anything loads; exit 2 on any error",
@@ -59,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
         f"hardware to plan for: {what_if}",
     )
     c.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _run_verbs(sub) -> None:
+    """The verbs that run or write: train, export, launch."""
+    job_verb = partial(_job_verb, sub)
     c = job_verb(
         "train",
         "check the job, then train it and save the model, metrics and samples",
@@ -92,7 +120,16 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--dry-run", action="store_true", help="check, print the scaled recipe and the command; run nothing"
     )
-    return p
+    la.add_argument(
+        "--scaling",
+        type=_counts,
+        default=(),
+        metavar="N,M,...",
+        help="run briefly at each process count and report samples/s, speed-up and efficiency",
+    )
+    la.add_argument(
+        "--scaling-seconds", type=float, default=60.0, metavar="S", help="how long each --scaling run lasts"
+    )
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -115,38 +152,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         parser.print_help()
         return EXIT_USER_ERROR
     try:
-        if args.verb == "check":
-            from gpufleet.commands import check
-
-            return check(args.job, args.sets, args.gpus, env)
-        if args.verb == "config":
-            from gpufleet.commands import show_config
-
-            return show_config(args.job, args.sets, args.format, env, explain=args.explain)
-        if args.verb == "plan":
-            from gpufleet.plan.command import plan_command
-
-            return plan_command(args.job, args.sets, args.gpus, args.format, env)
-        if args.verb == "export":
-            from gpufleet.launch.export import export_command
-
-            return export_command(args.run_dir, args.step, args.to)
-        if args.verb == "launch":
-            from gpufleet.launch.script import launch_command
-
-            return launch_command(
-                args.job, args.sets, args.gpus, env, command, nproc=args.nproc, dry_run=args.dry_run
-            )
-        if args.verb == "train" and args.worker:
-            from gpufleet.launch.worker import run_worker
-
-            return run_worker(args.job, args.gpus)
-        if args.verb == "train":
-            from gpufleet.launch.train import train_command
-
-            return train_command(
-                args.job, args.sets, args.gpus, env, print_launch=args.print_launch, force=args.force
-            )
+        return _run(args, env, command)
     except UserError as e:
         print(f"gpufleet: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -156,4 +162,48 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except BrokenPipeError:  # `gpufleet config JOB | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -> int:
+    """Call the verb's function (imported here, so that `check` never imports torch)."""
+    if args.verb == "check":
+        from gpufleet.verbs.check import check
+
+        return check(args.job, args.sets, args.gpus, env)
+    if args.verb == "config":
+        from gpufleet.verbs.config import show_config
+
+        return show_config(args.job, args.sets, args.format, env, explain=args.explain)
+    if args.verb == "plan":
+        from gpufleet.verbs.plan import plan_command
+
+        return plan_command(args.job, args.sets, args.gpus, args.format, env)
+    if args.verb == "export":
+        from gpufleet.verbs.export import export_command
+
+        return export_command(args.run_dir, args.step, args.to)
+    if args.verb == "launch":
+        from gpufleet.verbs.launch import launch_command
+
+        return launch_command(
+            args.job,
+            args.sets,
+            args.gpus,
+            env,
+            command,
+            nproc=args.nproc,
+            dry_run=args.dry_run,
+            scaling=args.scaling,
+            scaling_seconds=args.scaling_seconds,
+        )
+    if args.verb == "train" and args.worker:
+        from gpufleet.launch.worker import run_worker
+
+        return run_worker(args.job, args.gpus)
+    if args.verb == "train":
+        from gpufleet.verbs.train import train_command
+
+        return train_command(
+            args.job, args.sets, args.gpus, env, print_launch=args.print_launch, force=args.force
+        )
     raise AssertionError(f"unhandled verb {args.verb}")  # pragma: no cover

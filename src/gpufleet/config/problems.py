@@ -79,3 +79,16 @@ def format_value(value: Any, depth: int = 0) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def render_problems(problems: list[Problem]) -> str:
+    order = sorted(problems, key=lambda p: p.severity != "error")
+    return "\n".join(p.render() for p in order)
+
+
+def summary(problems: list[Problem]) -> str:
+    errors = sum(p.severity == "error" for p in problems)
+    warnings = len(problems) - errors
+    if not problems:
+        return "ok: no problems found."
+    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}."

@@ -301,6 +301,11 @@ class ScriptSection(Section):
     """How the learning rate follows the effective batch: unchanged, x ratio (Goyal et al.), or
     x sqrt(ratio) (Adam-style). With keep_effective_batch the ratio is 1 and this changes nothing."""
 
+    progress_regex: str = r"gpufleet-progress samples=(\d+)"
+    """A line of rank 0's output that reports progress (for `launch --scaling`): a regular expression whose
+    first group is the number of samples processed so far over all ranks. The default matches what
+    `gpufleet.progress.report(samples)` prints."""
+
 
 class Job(BaseModel):
     """A whole job: one section per concern."""

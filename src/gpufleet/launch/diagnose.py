@@ -26,20 +26,24 @@ class Failure:
         return "\n".join(lines)
 
 
-def first_failure(logs: Path, tail: int = 12) -> Failure | None:
-    """The earliest error record written by a worker (the root cause; later ones are its echoes)."""
-    records = []
-    for f in logs.glob("rank*.error.json"):
+def records(logs: Path, pattern: str) -> list[dict]:
+    """The JSON records ranks left in `logs` (unreadable or half-written ones skipped)."""
+    out = []
+    for f in logs.glob(pattern):
         try:
-            records.append(json.loads(f.read_text(encoding="utf-8")))
+            out.append(json.loads(f.read_text(encoding="utf-8")))
         except (OSError, ValueError):
             continue
-    if not records:
+    return out
+
+
+def first_failure(logs: Path, tail: int = 12) -> Failure | None:
+    """The earliest error record written by a worker (the root cause; later ones are its echoes)."""
+    found = records(logs, "rank*.error.json")
+    if not found:
         return None
     # A user error or an injected/real exception beats a peer's "connection closed" that follows it.
-    rec = min(
-        records, key=lambda r: (not r.get("user_error"), "Connection" in r.get("message", ""), r["time"])
-    )
+    rec = min(found, key=lambda r: (not r.get("user_error"), "Connection" in r.get("message", ""), r["time"]))
     log = logs / f"rank{rec['rank']}.log"
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-tail:] if log.exists() else []
     return Failure(

@@ -4,13 +4,13 @@ NCCL, the DataLoader, the OS) and by how the process ended (killed by SIGKILL)."
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.launch.diagnose import records
 from gpufleet.launch.recipe import Recipe
 
 
@@ -24,15 +24,10 @@ class Ended:
 
 def first_ended(logs: Path) -> Ended | None:
     """The rank whose command failed first (the others usually fail because it did)."""
-    records = []
-    for f in logs.glob("rank*.exit.json"):
-        try:
-            records.append(json.loads(f.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            continue
-    if not records:
+    ended = records(logs, "rank*.exit.json")
+    if not ended:
         return None
-    rec = min(records, key=lambda r: (r["code"] in (-signal.SIGTERM, 143), r["time"]))
+    rec = min(ended, key=lambda r: (r["code"] in (-signal.SIGTERM, 143), r["time"]))
     log = logs / f"rank{rec['rank']}.log"
     text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
     return Ended(rec["rank"], rec["code"], log, text[text.rfind("--- rank ") :])

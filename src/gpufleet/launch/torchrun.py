@@ -137,13 +137,19 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child between f
         pass
 
 
-def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0) -> int:
+STOPPED = -1000  # run_agent's result when `stop_after` ran out and the run was stopped on purpose
+
+
+def run_agent(
+    argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0, stop_after: float | None = None
+) -> int:
     """Run torchrun's agent in its own process group and wait for it.
 
     A Ctrl-C at the terminal, or SIGINT / SIGTERM sent to the launcher or its process group, is
     forwarded to the agent exactly once; the agent stops every worker (SIGTERM, then SIGKILL after
     its own timeout) and exits. If it has not exited after `grace_s`, its group is killed. Raises
-    `Interrupted` after such a stop, returns the agent's exit code otherwise.
+    `Interrupted` after such a stop, returns the agent's exit code otherwise. With `stop_after` (seconds)
+    the run is stopped the same way when that time is up, and STOPPED is returned.
     """
     proc = subprocess.Popen(
         argv, env=dict(env), stderr=stderr, start_new_session=True, preexec_fn=die_with_parent
@@ -158,12 +164,18 @@ def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     deadline = None
+    started, timed_out = time.monotonic(), False
     try:
         while True:
             try:
                 code = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
+                if stop_after is not None and not got and time.monotonic() - started > stop_after:
+                    timed_out = True
+                    got.append(signal.SIGTERM)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
                 if got and deadline is None:
                     deadline = time.monotonic() + grace_s
                 if deadline is not None and time.monotonic() > deadline:
@@ -172,6 +184,8 @@ def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if timed_out:
+        return STOPPED
     if got:
         raise Interrupted(got[0])
     return code

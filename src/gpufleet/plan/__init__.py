@@ -11,8 +11,7 @@
     fixes.py         verified fixes for a job that does not fit; layouts for one that cannot be laid out
     largest.py       the largest per_device_batch / num_generations / completion length that fit
     fit_rule.py      the `gpufleet check` fit rule
-    command.py       the `plan` verb
 
-Imports run one way: shape/memory/inference -> loads -> build -> search -> fixes/largest -> fit_rule/command.
+Imports run one way: shape/memory/inference -> loads -> build -> search -> fixes/largest -> fit_rule (the `plan` verb is gpufleet.verbs.plan).
 No torch import anywhere in this package.
 """

@@ -101,6 +101,8 @@ def policy_loss(
             `ref_logprobs`, "dr_grpo" without `max_completion_length` or `normalizer`, or a
             `normalizer` that is not > 0.
     """
+    # Longer than 60 lines on purpose: ratio, clip, KL and stats read top to bottom as the papers write
+    # them; the checks (_check_options, _check_shapes) and the aggregation (_aggregate) are already apart.
     normalizer = _check_options(
         loss_type, level, beta, ref_logprobs is not None, max_completion_length, normalizer
     )

@@ -35,8 +35,11 @@ def launch_command(
     *,
     nproc: int | None = None,
     dry_run: bool = False,
+    scaling: Sequence[int] = (),
+    scaling_seconds: float = 60.0,
 ) -> int:
-    """Check, scale the recipe, run the script on every rank (or only print it with --dry-run)."""
+    """Check, scale the recipe, run the script on every rank (or only print it with --dry-run; or, with
+    --scaling, briefly at each process count to measure the speed-up)."""
     hw = resolve_hardware(gpus, env) if dry_run else hardware_here(gpus, env, verb="launch")
     r = load_job(job, [*sets, *([f"launch.nproc_per_node={nproc}"] if nproc else [])], env)
     errors = [p for p in r.problems if p.severity == "error"]
@@ -54,7 +57,7 @@ def launch_command(
     out = Path(jb.output.dir).expanduser()
     values = recipe.values(now, per_node, str(out))
     argv = recipe.fill(cmd, values)
-    problems = _problems(argv, per_node, hw, jb)
+    problems = _problems(argv, per_node, hw, jb, dry_run)
     print(f"gpufleet launch: {shlex.join(argv)}")
     print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
     if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
@@ -68,6 +71,8 @@ def launch_command(
     if dry_run:
         print(f"  env: {' '.join(f'{_env_name(k)}={v}' for k, v in values.items())}")
         return 0
+    if scaling:
+        return _scaling(jb, cmd, scaling, scaling_seconds, hw, out, env)
     return _run(jb, argv, per_node, values, out, env)
 
 
@@ -82,21 +87,23 @@ def _env_name(key: str) -> str:
     return f"GPUFLEET_{key.upper()}"
 
 
-def _problems(argv: list[str], per_node: int, hw: Hardware, jb) -> list[tuple[str, str]]:
-    """(level, line) for everything that would stop or slow the run, all at once."""
+def _problems(argv: list[str], per_node: int, hw: Hardware, jb, dry_run: bool) -> list[tuple[str, str]]:
+    """(level, line) for everything that would stop or slow the run, all at once. A missing script or
+    command is only a warning for --dry-run (a plan for another machine, where it is installed)."""
     out: list[tuple[str, str]] = []
+    missing = "warning" if dry_run else "error"
     script = _script_file(argv)
     if script is not None and not script.is_file():
         out.append(
             (
-                "error",
+                missing,
                 f"script.command: {script} does not exist (from {os.getcwd()}). Fix: the path of the script",
             )
         )
     elif script is None and shutil.which(argv[0]) is None:
         out.append(
             (
-                "error",
+                missing,
                 f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path",
             )
         )
@@ -168,27 +175,43 @@ def _shm_bytes() -> int | None:
     return st.f_bsize * st.f_blocks
 
 
-def _target(argv: list[str], logs: Path) -> list[str]:
+def _target(argv: list[str], logs: Path, progress_regex: str) -> list[str]:
     """torchrun's target: every rank runs `rankexec LOGS -- command` (python scripts use this Python)."""
     if Path(argv[0]).name.startswith("python"):
         argv = [sys.executable, *argv[1:]]
-    return ["-m", "gpufleet.launch.rankexec", str(logs), "--", *argv]
+    return ["-m", "gpufleet.launch.rankexec", str(logs), "--progress", progress_regex, "--", *argv]
+
+
+def _start(
+    jb,
+    argv: list[str],
+    per_node: int,
+    values: dict[str, str],
+    out: Path,
+    env,
+    stop_after: float | None = None,
+) -> int:
+    """Run the command on every rank through torchrun; the agent's exit code (or torchrun.STOPPED)."""
+    from gpufleet.launch.torchrun import agent_argv, run_agent, worker_env
+
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    full = agent_argv(jb.launch, per_node, str(out.resolve())) + _target(argv, logs, jb.script.progress_regex)
+    child_env = {**worker_env(per_node, env), **{_env_name(k): v for k, v in values.items()}}
+    agent = logs / ("torchrun.log" if jb.launch.nnodes == 1 else f"torchrun.node{jb.launch.node_rank}.log")
+    with agent.open("a", encoding="utf-8") as agent_log:
+        return run_agent(full, child_env, agent_log, stop_after=stop_after)
 
 
 def _run(
     jb, argv: list[str], per_node: int, values: dict[str, str], out: Path, env: Mapping[str, str]
 ) -> int:
     from gpufleet.launch.scriptfail import explain
-    from gpufleet.launch.torchrun import Interrupted, agent_argv, run_agent, worker_env
+    from gpufleet.launch.torchrun import Interrupted
 
     logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    full = agent_argv(jb.launch, per_node, str(out.resolve())) + _target(argv, logs)
-    child_env = {**worker_env(per_node, env), **{_env_name(k): v for k, v in values.items()}}
-    agent = logs / ("torchrun.log" if jb.launch.nnodes == 1 else f"torchrun.node{jb.launch.node_rank}.log")
     try:
-        with agent.open("a", encoding="utf-8") as agent_log:
-            code = run_agent(full, child_env, agent_log)
+        code = _start(jb, argv, per_node, values, out, env)
     except Interrupted as e:
         print(f"gpufleet: interrupted ({e}); every rank was stopped. Logs: {logs}/", file=sys.stderr)
         return 130
@@ -198,3 +221,41 @@ def _run(
     now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
     print(explain(logs, code, recipe.reference(jb.script), now), file=sys.stderr)
     return 1
+
+
+def _scaling(jb, cmd: list[str], counts: Sequence[int], seconds: float, hw: Hardware, out: Path, env) -> int:
+    """Run the script for `seconds` at each process count (one node), each in OUT/scaling-<n>; report
+    samples/s from rank 0's progress lines, the speed-up and the efficiency."""
+    from gpufleet.launch import scaling
+    from gpufleet.launch.scriptfail import explain
+    from gpufleet.launch.torchrun import STOPPED, Interrupted
+
+    rows = []
+    for n in counts:
+        now = recipe.scaled(jb.script, n)
+        run_out = out / f"scaling-{n}"
+        values = recipe.values(now, n, str(run_out))
+        argv = recipe.fill(cmd, values)
+        print(f"scaling: {plural(n, 'process')} for {seconds:g} s: {shlex.join(argv)}", flush=True)
+        try:
+            code = _start(jb, argv, n, values, run_out, env, stop_after=seconds)
+        except Interrupted:
+            print("gpufleet: interrupted; every rank was stopped.", file=sys.stderr)
+            return 130
+        if code not in (0, STOPPED):
+            print(explain(run_out / "logs", code, recipe.reference(jb.script), now), file=sys.stderr)
+            return 1
+        rows.append((n, scaling.throughput(scaling.read_points(run_out / "logs" / "progress.jsonl"))))
+    print(scaling.table(rows))
+    if any(rate is None for _, rate in rows):
+        print(
+            f"  a count without a rate printed fewer than two lines matching script.progress_regex "
+            f"({jb.script.progress_regex!r}) in {seconds:g} s: call gpufleet.progress.report(samples) on rank 0, "
+            "or give the regex of a line the script already prints"
+        )
+    if hw.is_cpu:
+        print(
+            f"  on the CPU ({plural(hw.cpu_count, 'core')}) the processes share the same cores: this shows the "
+            "launch, data-parallel and communication overhead, not what more GPUs would give"
+        )
+    return 0

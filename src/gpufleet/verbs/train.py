@@ -8,14 +8,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gpufleet.commands import render_problems, render_yaml, summary
 from gpufleet.config.load import load_job
+from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.hardware import hardware_here, resolve_hardware
 from gpufleet.rules import run_checks
 from gpufleet.rules.resources import holds_run
 from gpufleet.text import plural
 from gpufleet.usercode import pythonpath, roots, use_roots
+from gpufleet.verbs.config import render_yaml
 
 
 def train_command(

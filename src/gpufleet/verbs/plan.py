@@ -123,7 +123,7 @@ def render_table(
     largest: list[Largest],
     models: Models,
 ) -> str:
-    from gpufleet.commands import render_problems
+    from gpufleet.config.problems import render_problems
 
     out = _head_lines(job, hw, r, models)
     shown = [p for p in problems if p.severity == "error" or plan is None]

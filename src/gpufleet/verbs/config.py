@@ -1,4 +1,5 @@
-"""The `check` and `config` verbs: resolve, check, print. No torch import."""
+"""`gpufleet config`: the resolved job, where each value came from (table, YAML that behaves as it reads, JSON).
+No torch import."""
 
 from __future__ import annotations
 
@@ -9,63 +10,10 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
-from gpufleet.config.batch import batch_note
 from gpufleet.config.load import Resolved, dump_job, load_job
-from gpufleet.config.problems import Problem, format_value
+from gpufleet.config.problems import format_value, render_problems, summary
 from gpufleet.config.schema import SECTIONS, field_doc
 from gpufleet.errors import EXIT_USER_ERROR
-from gpufleet.text import plural
-
-
-def render_problems(problems: list[Problem]) -> str:
-    order = sorted(problems, key=lambda p: p.severity != "error")
-    return "\n".join(p.render() for p in order)
-
-
-def summary(problems: list[Problem]) -> str:
-    errors = sum(p.severity == "error" for p in problems)
-    warnings = len(problems) - errors
-    if not problems:
-        return "ok: no problems found."
-    return f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}."
-
-
-def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
-    """`gpufleet check`: print every problem with its fix; exit 2 when any is an error."""
-    from gpufleet.hardware import resolve_hardware
-    from gpufleet.rules import run_checks
-
-    hw = resolve_hardware(gpus, env)
-    r = load_job(job, sets, env)
-    if r.job.script.command and not r.problems:  # a `gpufleet launch` job: its own checks, nothing runs
-        from gpufleet.launch.script import launch_command
-
-        return launch_command(job, sets, gpus, env, [], dry_run=True)
-    problems, ctx = run_checks(r, hw, env)
-    print(f"gpufleet check {job}")
-    print(f"  hardware: {hw.describe()}")
-    print(f"  world:    {ctx.topo.describe()}; {plural(ctx.topo.world_size, 'process', 'processes')}")
-    m = ctx.model
-    if m is not None:
-        print(
-            f"  model:    {r.job.model.path} ({m.model_type}, {m.num_attention_heads} heads, "
-            f"{m.num_key_value_heads} KV heads, {m.max_position_embeddings} positions)"
-        )
-    t, g = r.job.train, r.job.algorithm.num_generations
-    total = r.job.generation_batch(ctx.topo.policy_ranks)
-    accum = max(t.per_device_batch // max(t.micro_batch or 1, 1), 1)
-    print(
-        f"  batch:    generation batch {total} = {t.per_device_batch} per device x "
-        f"{plural(ctx.topo.policy_ranks, 'policy rank')} x {plural(t.steps_per_generation, 'step')}; "
-        f"{g} generations per prompt; micro-batch {t.micro_batch} ({plural(accum, 'accumulation step')})"
-    )
-    note = batch_note(r, ctx.topo.policy_ranks)
-    if note:
-        print(f"  {note}")
-    if problems:
-        print(render_problems(problems))
-    print(summary(problems))
-    return EXIT_USER_ERROR if any(p.severity == "error" for p in problems) else 0
 
 
 def show_config(

@@ -1,0 +1,228 @@
+"""The layers of a job, each `{section.field: (value, Source)}`: the job file (a regular file under 1 MiB,
+YAML without duplicate keys or tabs, with the line of every value), the environment
+(`GPUFLEET_<SECTION>__<FIELD>`) and the flags (`--set section.field=value`). Unknown keys become problems
+with a "did you mean"."""
+
+from __future__ import annotations
+
+import difflib
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpufleet.config.problems import FieldRef, Problem, Source
+from gpufleet.config.schema import SECTIONS, field_paths
+from gpufleet.errors import UserError
+
+ENV_PREFIX = "GPUFLEET_"
+_NULLS = ("null", "none", "~")
+
+
+def _unknown_key(key: str, src: Source, section: str | None) -> Problem:
+    """An unknown key with a "did you mean": the same section first, then any section."""
+    paths = field_paths()
+    suggestion = None
+    if section is None:
+        options = list(SECTIONS) + paths + [p.split(".", 1)[1] for p in paths]
+        match = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+        if match:
+            suggestion = match[0] if match[0] in SECTIONS or "." in match[0] else _owner(match[0])
+        what = f"unknown section {key!r}"
+        known = f"sections are {', '.join(SECTIONS)}"
+        shown = key
+    else:
+        fields = list(SECTIONS[section].model_fields)
+        scored = [(_ratio(key, f), 1, f"{section}.{f}") for f in fields]
+        scored += [(_ratio(key, p.split(".", 1)[1]), 0, p) for p in paths if not p.startswith(section + ".")]
+        score, _, best = max(scored)
+        suggestion = best if score >= 0.6 else None
+        what = f"unknown field {key!r} in section {section!r}"
+        known = f"{section} has {', '.join(fields)}"
+        shown = f"{section}.{key}"
+    fix = f"did you mean {suggestion}?" if suggestion else f"remove it; {known}"
+    if suggestion and src.kind == "env":
+        fix += f" ({ENV_PREFIX}{suggestion.upper().replace('.', '__')})"
+    return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix)
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
+
+
+def _owner(field_name: str) -> str:
+    for p in field_paths():
+        if p.split(".", 1)[1] == field_name:
+            return p
+    return field_name
+
+
+def _add(layer, problems, section: Any, key: Any, value: Any, src: Source) -> None:
+    section_s, key_s = str(section), str(key)
+    if section_s not in SECTIONS:
+        problems.append(_unknown_key(section_s, src, None))
+    elif key_s not in SECTIONS[section_s].model_fields:
+        problems.append(_unknown_key(key_s, src, section_s))
+    else:
+        layer[f"{section_s}.{key_s}"] = (value, src)
+
+
+MAX_JOB_FILE_BYTES = 1 << 20
+"""A job file is a few dozen lines; anything over 1 MiB is not one (and would be slow to parse)."""
+
+
+def _read_job_text(path: Path) -> str:
+    """The job file's text: a regular UTF-8 file of at most MAX_JOB_FILE_BYTES, else a UserError."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UserError(f"job file {str(path)!r} does not exist.", fix="check the path.") from None
+    except OSError as e:
+        raise UserError(f"cannot read job file {str(path)!r}: {e.strerror}.", fix="check the path.") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"job file {str(path)!r} is a directory.", fix="name the .yaml file.")
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(
+            f"job file {str(path)!r} is not a regular file (a pipe or device).",
+            fix="save the job as a .yaml file.",
+        )
+    if st.st_size > MAX_JOB_FILE_BYTES:
+        raise UserError(
+            f"job file {str(path)!r} is {st.st_size / 2**20:.1f} MiB; a job file is at most 1 MiB.",
+            fix="is this the right file? a job is a few dozen lines of YAML",
+        )
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}).", fix="save it as UTF-8."
+        ) from None
+    except OSError as e:
+        raise UserError(
+            f"cannot read job file {str(path)!r}: {e.strerror}.", fix="check its permissions."
+        ) from None
+
+
+def _parse_yaml(path: Path, text: str):
+    """(node tree, data) of the job file; syntax errors, tabs and duplicate keys as one UserError."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _no_duplicate_keys(path, node)
+        return node, yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "'\\t'" in reason or "\t" in reason:
+            raise UserError(
+                f"{where}: a tab in the indentation; YAML indents with spaces.",
+                fix="replace the tab with spaces",
+            ) from None
+        raise UserError(f"{where}: not valid YAML ({reason}).", fix="fix the YAML syntax there.") from None
+    except (ValueError, TypeError, RecursionError) as e:
+        raise UserError(f"{path}: not a readable YAML job ({e}).", fix="fix the YAML there.") from None
+
+
+def _no_duplicate_keys(path: Path, node, depth: int = 0) -> None:
+    """YAML lets a repeated key silently replace the first; in a job file that loses settings."""
+    if not isinstance(node, yaml.MappingNode) or depth > 2:
+        return
+    seen: dict[str, int] = {}
+    for knode, vnode in node.value:
+        if isinstance(knode, yaml.ScalarNode):
+            line = knode.start_mark.line + 1
+            if knode.value in seen:
+                raise UserError(
+                    f"{path}:{line}: `{knode.value}:` appears twice (lines {seen[knode.value]} and {line}); "
+                    "the second would silently replace the first.",
+                    fix=f"merge the two `{knode.value}:` blocks into one",
+                )
+            seen[knode.value] = line
+        _no_duplicate_keys(path, vnode, depth + 1)
+
+
+def file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    node, data = _parse_yaml(path, _read_job_text(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path}: a job file is a mapping of sections, found a {type(data).__name__}.",
+            fix="write sections such as 'train:' at the top level (see examples/quickstart.yaml).",
+        )
+    lines = _line_numbers(node)
+    layer: dict[str, tuple[Any, Source]] = {}
+    for section, body in data.items():
+        where = f"{path}:{lines.get((str(section),), 1)}"
+        if str(section) in SECTIONS and not isinstance(body, dict):
+            if body is None:
+                continue
+            problems.append(
+                Problem(
+                    "error",
+                    [FieldRef(str(section), body, Source("file", where))],
+                    f"section {section!r} must be a mapping of fields, found {type(body).__name__}.",
+                    f"write its fields indented under '{section}:' (e.g. {section}: {{...}}).",
+                )
+            )
+            continue
+        if str(section) not in SECTIONS:
+            problems.append(_unknown_key(str(section), Source("file", where), None))
+            continue
+        for key, value in body.items():
+            src = Source("file", f"{path}:{lines.get((str(section), str(key)), 1)}")
+            _add(layer, problems, section, key, value, src)
+    return layer
+
+
+def _line_numbers(node) -> dict[tuple, int]:
+    """Map (section,) and (section, field) to 1-based line numbers in the YAML file."""
+    out: dict[tuple, int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return out
+    for knode, vnode in node.value:
+        key = str(knode.value) if isinstance(knode, yaml.ScalarNode) else None
+        out.setdefault((key,), knode.start_mark.line + 1)
+        if isinstance(vnode, yaml.MappingNode):
+            for k2, _ in vnode.value:
+                if isinstance(k2, yaml.ScalarNode):
+                    out.setdefault((key, str(k2.value)), k2.start_mark.line + 1)
+    return out
+
+
+def _parse_text(value: str) -> Any:
+    """A value given as text (env, flag): null words become None; the field's type parses the rest."""
+    return None if value.strip().lower() in _NULLS else value
+
+
+def env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    layer: dict[str, tuple[Any, Source]] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue  # GPUFLEET_CACHE and friends are settings, not job fields
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        _add(layer, problems, section, key, _parse_text(env[name]), Source("env", name))
+    return layer
+
+
+def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    layer: dict[str, tuple[Any, Source]] = {}
+    for item in sets:
+        path, eq, value = item.partition("=")
+        section, dot, key = path.strip().partition(".")
+        src = Source("flag", f"--set {item}")
+        if not eq or not dot or not section or not key:
+            problems.append(
+                Problem(
+                    "error",
+                    [FieldRef(path.strip() or item, item, src)],
+                    f"--set takes section.field=value, got {item!r}.",
+                    "write it like --set train.per_device_batch=4",
+                )
+            )
+            continue
+        _add(layer, problems, section, key.strip(), _parse_text(value), src)
+    return layer
