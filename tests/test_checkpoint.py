@@ -140,8 +140,11 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
     sets = ("train.max_steps=200", "output.save_every=1", "output.keep_last=2", "train.per_device_batch=16")
     rng = random.Random(0)
     resumed_from = []
-    for _ in range(20):
+    for _ in range(10):  # each attempt is a whole process start: 10 keep the suite under its time budget
         before = checkpoint.latest(run)
+        before = (
+            None if before is None else checkpoint.load_state(before).step
+        )  # the folder may be rotated away
         t0 = time.time()
         proc = start(run, *sets, GPUFLEET_TEST_SLOW_SAVE="0.15")
         root = run / "checkpoints"
@@ -151,9 +154,9 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
                 d.name.startswith(".tmp-") and d.stat().st_mtime >= t0 for d in root.iterdir()
             )
 
-        # Land the kill inside a checkpoint write: wait for a temporary folder, then a random moment in it.
+        # Land the kill in or after the first checkpoint write: wait for a temporary folder, then a random moment.
         wait_for(writing, proc=proc)
-        time.sleep(rng.uniform(0.0, 0.35))
+        time.sleep(rng.uniform(0.0, 1.0))  # the first write takes ~0.4 s: some kills land in it, some after
         kill9(proc)
         latest = checkpoint.latest(run)
         if latest is not None:
@@ -164,10 +167,7 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
                 assert (root / pointer / "trainer_state.json").is_file()
             resumed_from.append(checkpoint.load_state(latest).step)
         if before is not None:
-            assert (
-                latest is not None
-                and checkpoint.load_state(latest).step >= checkpoint.load_state(before).step
-            )
+            assert latest is not None and checkpoint.load_state(latest).step >= before
     assert resumed_from and resumed_from == sorted(resumed_from)
     p = train(run, "train.max_steps=" + str(resumed_from[-1] + 2), *sets[1:])
     assert p.returncode == 0, p.stdout + p.stderr
