@@ -314,7 +314,7 @@ def test_scaling_measures_each_process_count(tmp_path):
     """Issue 10 item 4: --scaling runs a real DDP script at 1 and 2 processes and reports samples/s."""
     home = folder(tmp_path, ddp=SCALING_DDP)
     p = run_user(
-        "launch", "job.yaml", "--gpus", "cpu", "--scaling", "1,2", "--scaling-seconds", "5",
+        "launch", "job.yaml", "--gpus", "cpu", "--scaling", "1,2", "--scaling-seconds", "3",
         "--", "python", "ddp.py", "{per_device_batch}", cwd=home, timeout=180,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr

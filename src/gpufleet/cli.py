@@ -128,7 +128,11 @@ def _run_verbs(sub) -> None:
         help="run briefly at each process count and report samples/s, speed-up and efficiency",
     )
     la.add_argument(
-        "--scaling-seconds", type=float, default=60.0, metavar="S", help="how long each --scaling run lasts"
+        "--scaling-seconds",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds each --scaling run is measured, from its first progress line",
     )
 
 

@@ -137,19 +137,18 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child between f
         pass
 
 
-STOPPED = -1000  # run_agent's result when `stop_after` ran out and the run was stopped on purpose
+STOPPED = -1000  # run_agent's result when `stop_when` said so and the run was stopped on purpose
 
 
-def run_agent(
-    argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0, stop_after: float | None = None
-) -> int:
+def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0, stop_when=None) -> int:
     """Run torchrun's agent in its own process group and wait for it.
 
     A Ctrl-C at the terminal, or SIGINT / SIGTERM sent to the launcher or its process group, is
     forwarded to the agent exactly once; the agent stops every worker (SIGTERM, then SIGKILL after
     its own timeout) and exits. If it has not exited after `grace_s`, its group is killed. Raises
-    `Interrupted` after such a stop, returns the agent's exit code otherwise. With `stop_after` (seconds)
-    the run is stopped the same way when that time is up, and STOPPED is returned.
+    `Interrupted` after such a stop, returns the agent's exit code otherwise. With `stop_when` (a
+    callable polled twice a second) the run is stopped the same way once it returns True, and STOPPED is
+    returned.
     """
     proc = subprocess.Popen(
         argv, env=dict(env), stderr=stderr, start_new_session=True, preexec_fn=die_with_parent
@@ -164,14 +163,14 @@ def run_agent(
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     deadline = None
-    started, timed_out = time.monotonic(), False
+    timed_out = False
     try:
         while True:
             try:
                 code = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                if stop_after is not None and not got and time.monotonic() - started > stop_after:
+                if stop_when is not None and not got and stop_when():
                     timed_out = True
                     got.append(signal.SIGTERM)
                     with contextlib.suppress(ProcessLookupError):

@@ -189,7 +189,7 @@ def _start(
     values: dict[str, str],
     out: Path,
     env,
-    stop_after: float | None = None,
+    stop_when=None,
 ) -> int:
     """Run the command on every rank through torchrun; the agent's exit code (or torchrun.STOPPED)."""
     from gpufleet.launch.torchrun import agent_argv, run_agent, worker_env
@@ -200,7 +200,7 @@ def _start(
     child_env = {**worker_env(per_node, env), **{_env_name(k): v for k, v in values.items()}}
     agent = logs / ("torchrun.log" if jb.launch.nnodes == 1 else f"torchrun.node{jb.launch.node_rank}.log")
     with agent.open("a", encoding="utf-8") as agent_log:
-        return run_agent(full, child_env, agent_log, stop_after=stop_after)
+        return run_agent(full, child_env, agent_log, stop_when=stop_when)
 
 
 def _run(
@@ -223,8 +223,26 @@ def _run(
     return 1
 
 
+def _measured(progress: Path, seconds: float):
+    """True once `seconds` have passed since the first progress line (start-up is not measured), or after
+    seconds + 5 minutes without one."""
+    import time
+
+    from gpufleet.launch.scaling import read_points
+
+    started = time.time()
+
+    def done() -> bool:
+        points = read_points(progress)
+        since = points[0].t if points else started + 300
+        return time.time() - since >= seconds
+
+    return done
+
+
 def _scaling(jb, cmd: list[str], counts: Sequence[int], seconds: float, hw: Hardware, out: Path, env) -> int:
-    """Run the script for `seconds` at each process count (one node), each in OUT/scaling-<n>; report
+    """Run the script for `seconds` of progress at each process count (one node; the clock starts at the
+    first progress line, so start-up is not counted), each in OUT/scaling-<n>; report
     samples/s from rank 0's progress lines, the speed-up and the efficiency."""
     from gpufleet.launch import scaling
     from gpufleet.launch.scriptfail import explain
@@ -238,7 +256,9 @@ def _scaling(jb, cmd: list[str], counts: Sequence[int], seconds: float, hw: Hard
         argv = recipe.fill(cmd, values)
         print(f"scaling: {plural(n, 'process')} for {seconds:g} s: {shlex.join(argv)}", flush=True)
         try:
-            code = _start(jb, argv, n, values, run_out, env, stop_after=seconds)
+            progress = run_out / "logs" / "progress.jsonl"
+            progress.unlink(missing_ok=True)
+            code = _start(jb, argv, n, values, run_out, env, stop_when=_measured(progress, seconds))
         except Interrupted:
             print("gpufleet: interrupted; every rank was stopped.", file=sys.stderr)
             return 130
