@@ -4,6 +4,7 @@ or through torchrun (N processes), and print where the results are or why it fai
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,9 @@ def train_command(
     force: bool = False,
 ) -> int:
     """Check, prepare the run directory, train (in-process or torchrun), say where the results are."""
+    # Ctrl-C must stop a run even when the shell that started it ignored SIGINT (background jobs of a
+    # non-interactive shell inherit SIG_IGN, and Python then installs no KeyboardInterrupt handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     hw = resolve_hardware(gpus, env) if print_launch else hardware_here(gpus, env, verb="train")
     r, problems, ctx = _checked(job, sets, hw, env, force)
     if any(p.severity == "error" for p in problems):
