@@ -73,7 +73,7 @@ def launch_command(
         return 0
     if scaling:
         return _scaling(jb, cmd, scaling, scaling_seconds, hw, out, env)
-    return _run(jb, argv, per_node, values, out, env)
+    return _run(jb, argv, per_node, values, out, env, now)
 
 
 def _nproc(jb, hw: Hardware) -> int:
@@ -204,7 +204,13 @@ def _start(
 
 
 def _run(
-    jb, argv: list[str], per_node: int, values: dict[str, str], out: Path, env: Mapping[str, str]
+    jb,
+    argv: list[str],
+    per_node: int,
+    values: dict[str, str],
+    out: Path,
+    env: Mapping[str, str],
+    now: recipe.Recipe,
 ) -> int:
     from gpufleet.launch.scriptfail import explain
     from gpufleet.launch.torchrun import Interrupted
@@ -218,7 +224,6 @@ def _run(
     if code == 0:
         print(f"done: {plural(per_node * jb.launch.nnodes, 'rank')} finished; logs: {logs}/")
         return 0
-    now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
     print(explain(logs, code, recipe.reference(jb.script), now), file=sys.stderr)
     return 1
 
@@ -230,11 +235,12 @@ def _measured(progress: Path, seconds: float):
 
     from gpufleet.launch.scaling import read_points
 
-    started = time.time()
+    started, first = time.time(), []
 
     def done() -> bool:
-        points = read_points(progress)
-        since = points[0].t if points else started + 300
+        if not first:  # the file is read only until its first line is seen
+            first.extend(p.t for p in read_points(progress)[:1])
+        since = first[0] if first else started + 300
         return time.time() - since >= seconds
 
     return done
