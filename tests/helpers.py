@@ -11,6 +11,20 @@ def run_cli(capsys, argv, env=None):
     return code, out.out + out.err
 
 
+def process_env(**extra: str) -> dict:
+    """The environment for a gpufleet child process: no job-field variables from the caller, tests/ and
+    src/ on PYTHONPATH (for test rewards), one OpenMP thread (2-core machines), then `extra`."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), str(root / "src")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
 def run_process(*args: str, cwd, env_extra=None, timeout: int = 300):
     """`python -m gpufleet ARGS` as a real process; tests/ and src/ on PYTHONPATH (for test rewards)."""
     import os

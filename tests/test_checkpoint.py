@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpufleet import checkpoint
+from helpers import process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "examples" / "quickstart.yaml")
@@ -33,11 +34,7 @@ ARGS = [
 
 
 def env(**extra) -> dict:
-    e = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])
-    e["OMP_NUM_THREADS"] = "1"
-    e.update(extra)
-    return e
+    return process_env(**extra)
 
 
 def argv(run: Path, *sets: str) -> list[str]:

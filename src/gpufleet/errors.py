@@ -15,6 +15,7 @@ class UserError(Exception):
 
     def __init__(self, message: str, *, field: str | None = None, fix: str | None = None):
         self.field = field
+        self.message = message
         self.fix = fix
         text = message if field is None or message.startswith(field) else f"{field}: {message}"
         if fix:

@@ -1,5 +1,6 @@
 """The user's code a job names: a reward function as `module:function` or `path/to/file.py:function` (what
-a verl user writes), imported one way by `gpufleet check` and the trainer.
+a verl user writes), or an environment class as `module:Class`, imported one way by `gpufleet check`
+and the trainer.
 
 Modules are looked up in the job file's folder, then the working directory (also for the installed
 `gpufleet` command), then PYTHONPATH; the launcher puts the same folders first on every rank's
@@ -8,6 +9,7 @@ directory when a flag did (`config.load` makes it absolute, so every rank sees t
 it can fail is one `UserError` on `reward.functions`: module not found, the module raising while it is
 imported (the exception and the file:line in the user's code, not gpufleet's traceback), the name
 missing, not callable, or a signature that cannot take `fn(prompts, completions, **columns)`.
+`import_object` is the same for any named callable, reporting on the field the caller names.
 No torch import here.
 """
 
@@ -72,64 +74,84 @@ def pythonpath(folders: Iterable[str], env: Mapping[str, str]) -> str:
 def import_function(
     name: str, columns: Sequence[str] | None = None, folders: Sequence[str] | None = None
 ) -> Callable:
-    """The callable `name` (`module:function` or `file.py:function`) points at; `columns`: the dataset
-    columns passed by keyword (when known, the signature is checked against them too); `folders`: where
-    modules are looked for first (default: the working directory)."""
+    """The reward function `name` (`module:function` or `file.py:function`) points at; `columns`: the
+    dataset columns passed by keyword (when known, the signature is checked against them too);
+    `folders`: where modules are looked for first (default: the working directory)."""
+    fn = import_object(name, folders)
+    _check_signature(name, fn, columns)
+    return fn
+
+
+def import_object(
+    name: str,
+    folders: Sequence[str] | None = None,
+    *,
+    field: str = FIELD,
+    what: str = "reward function",
+    example: str = "my_rewards:accuracy",
+    form: str = "function",
+) -> Callable:
+    """The callable `name` (`module:Name` or `file.py:Name`) points at; every failure is one
+    `RewardImportError` on `field` that calls the object `what`."""
+    err = _errors(name, field, what, form)
     module_name, attr = split(name)
     if not module_name or not attr or not attr.isidentifier():
-        raise _error(
-            name, "write it as module:function or path/to/file.py:function", "e.g. my_rewards:accuracy"
-        )
+        raise err(f"write it as module:{form} or path/to/file.py:{form}", f"e.g. {example}")
     if not is_file(module_name) and not all(p.isidentifier() for p in module_name.split(".")):
-        raise _error(
-            name,
+        raise err(
             f"{module_name!r} is neither a module name nor a .py file",
-            f"write module:function (my_rewards:{attr}) or path/to/file.py:{attr}",
+            f"write module:{form} (mymodule:{attr}) or path/to/file.py:{attr}",
         )
     folders = list(folders) if folders is not None else [os.getcwd()]
     use_roots(folders)
     module = (
-        _from_file(name, Path(module_name)) if is_file(module_name) else _import(name, module_name, folders)
+        _from_file(err, Path(module_name)) if is_file(module_name) else _import(err, module_name, folders)
     )
     where = getattr(module, "__file__", None) or module_name
     if not hasattr(module, attr):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         close = difflib.get_close_matches(attr, public, n=1)
-        raise _error(
-            name,
+        raise err(
             f"{where} defines no {attr!r}" + (f" (it has {', '.join(public[:8])})" if public else ""),
             f"did you mean {module_name}:{close[0]}?"
             if close
-            else "check the name: module:function names a function defined in that module",
+            else f"check the name: module:{form} names a {form} defined in that module",
         )
     fn = getattr(module, attr)
     if not callable(fn):
-        raise _error(
-            name,
-            f"{attr!r} in {where} is not a function (it is of type {type(fn).__name__})",
-            "name a function",
+        raise err(
+            f"{attr!r} in {where} is not callable (it is of type {type(fn).__name__})", f"name a {what}"
         )
-    _check_signature(name, fn, columns)
     return fn
 
 
 class RewardImportError(UserError):
     """`why` and `fix` separately, for `gpufleet check`'s report."""
 
-    def __init__(self, why: str, fix: str):
+    def __init__(self, why: str, fix: str, field: str = FIELD):
         self.why = why
-        super().__init__(why, field=FIELD, fix=fix)
+        super().__init__(why, field=field, fix=fix)
+
+
+def _errors(name: str, field: str, what: str, form: str = "function") -> Callable:
+    """`err(why, fix)`: the error about the object `name` on `field`."""
+
+    def err(why: str, fix: str) -> RewardImportError:
+        return RewardImportError(
+            f"{what} {name!r}: {why}.", fix.replace("module:Name", f"module:{form}"), field
+        )
+
+    return err
 
 
 def _error(name: str, why: str, fix: str) -> RewardImportError:
-    return RewardImportError(f"reward function {name!r}: {why}.", fix)
+    return _errors(name, FIELD, "reward function")(why, fix)
 
 
-def _from_file(name: str, path: Path):
+def _from_file(err, path: Path):
     """Import a .py file by path once per process (its folder goes first on sys.path for its imports)."""
     if not path.is_file():
-        raise _error(
-            name,
+        raise err(
             f"{path} does not exist" if not path.exists() else f"{path} is not a file",
             "give the path of a .py file",
         )
@@ -145,43 +167,40 @@ def _from_file(name: str, path: Path):
         spec.loader.exec_module(module)
     except SyntaxError as e:
         del sys.modules[key]
-        raise _error(name, f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}", "fix the syntax there") from None
+        raise err(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}", "fix the syntax there") from None
     except Exception as e:
         del sys.modules[key]
-        raise _import_failed(name, path.stem, e) from None
+        raise _import_failed(err, path.stem, e) from None
     return module
 
 
-def _import(name: str, module_name: str, folders: list[str]):
-    here = ", ".join(folders)
+def _import(err, module_name: str, folders: list[str]):
+    here = f"in {', '.join(folders)} or " if folders else ""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise _error(
-                name,
-                f"no module {module_name!r} in {here} or on PYTHONPATH",
-                f"give module:function with an importable module: run gpufleet from the folder that holds "
+            raise err(
+                f"no module {module_name!r} {here}on PYTHONPATH",
+                f"give module:Name with an importable module: run gpufleet from the folder that holds "
                 f"{module_name.split('.')[0]}.py, or add that folder to PYTHONPATH",
             ) from None
-        raise _import_failed(name, module_name, e) from None
+        raise _import_failed(err, module_name, e) from None
     except SyntaxError as e:
-        raise _error(
-            name,
+        raise err(
             f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}",
             "fix the syntax there",
         ) from None
     except Exception as e:  # the user's module raised while importing: report it as theirs, in one line
-        raise _import_failed(name, module_name, e) from None
+        raise _import_failed(err, module_name, e) from None
 
 
-def _import_failed(name: str, module_name: str, e: BaseException) -> RewardImportError:
+def _import_failed(err, module_name: str, e: BaseException) -> RewardImportError:
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<frozen")]
     top = module_name.split(".")[0]
     mine = [f for f in frames if Path(f.filename).stem == top or f"/{top}/" in f.filename] or frames
     at = f" at {mine[-1].filename}:{mine[-1].lineno}" if mine else ""
-    return _error(
-        name,
+    return err(
         f"importing {module_name} raised {type(e).__name__}: {e}{at}",
         "fix the module so that `import "
         + module_name

@@ -100,12 +100,19 @@ def _anchor_paths(resolved: Resolved, base: Path) -> None:
         return str(candidate) if candidate.exists() or explicit else value
 
     job = resolved.job
-    for section, name in (("model", "path"), ("data", "path"), ("reward", "model")):
+    for section, name in (("model", "path"), ("data", "path"), ("reward", "model"), ("env", "token_file")):
         value = getattr(getattr(job, section), name)
         if value and resolved.source(f"{section}.{name}").kind == "file":
             setattr(getattr(job, section), name, local(value))
     if resolved.source("reward.functions").kind == "file":
         job.reward.functions = [anchored(f, base) if ":" in f else f for f in job.reward.functions]
+    name = job.env.name
+    if (
+        name
+        and resolved.source("env.name").kind == "file"
+        and not name.startswith(("builtin:", "gymnasium:"))
+    ):
+        job.env.name = anchored(name, base)
 
 
 def _validate_section(name, cls, candidates, problems):
@@ -154,6 +161,8 @@ def _expected(annotation: str, msg: str) -> str:
         return "a value " + msg.split("Input should be ", 1)[-1].rstrip(".")
     if "list" in annotation:
         return "a list such as 0,1,2"
+    if "dict" in annotation:
+        return "a mapping such as {name: value}"
     if "int" in annotation:
         return "a whole number"
     if "float" in annotation:

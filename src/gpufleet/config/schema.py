@@ -50,6 +50,21 @@ def _split_command(value: Any) -> Any:
 Command = Annotated[list[str], BeforeValidator(_split_command)]
 
 
+def _parse_mapping(value: Any) -> Any:
+    """A mapping given as text (a flag or env value): YAML flow style, `{doors: 3, letters: abcd}`."""
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            return yaml.safe_load(value) if value.strip() else {}
+        except yaml.YAMLError:
+            return value
+    return value
+
+
+Mapping = Annotated[dict[str, Any], BeforeValidator(_parse_mapping)]
+
+
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, docstrings become descriptions."""
 
@@ -151,6 +166,63 @@ class RolloutSection(Section):
 
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel degree of the rollout engine (vllm); must divide the attention and KV heads."""
+
+
+class EnvSection(Section):
+    """Multi-turn agent RL: the policy acts in an environment for several turns (`gpufleet train`).
+    Unset `name`: single-turn prompt -> completion from `data`."""
+
+    name: str | None = None
+    """The environment: `builtin:keys`, `gymnasium:<id>` (a Gymnasium env with a discrete action space,
+    e.g. `gymnasium:FrozenLake-v1`, through a text adapter), or your class as `module:Class` /
+    `path/to/file.py:Class` with `reset(seed=) -> (observation, info)` and `step(action) -> (observation,
+    reward, terminated, truncated, info)` over text. Each episode's reset seed comes from train.seed and
+    its group; the G episodes of a group share it. With an env, `data` is not read."""
+
+    kwargs: Mapping = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (for gymnasium: those of `gymnasium.make`,
+    e.g. `{is_slippery: false}`)."""
+
+    servers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
+    """Environment server processes gpufleet starts for the run (127.0.0.1, a fresh token per run,
+    restarted if one dies): `auto` = one per policy device (VAGEN's layout), N, or 0 = the environments
+    run inside each trainer process (no server)."""
+
+    address: StrList | None = None
+    """Servers someone else runs, as `[host:port, ...]`: gpufleet starts none and spreads episodes over
+    these (`python -m gpufleet.env.server` serves any env). Needs env.token_file."""
+
+    token_file: str | None = None
+    """File holding the token the servers at env.address require (first line). Relative to the job
+    file's folder. gpufleet's own servers get a random token per run, in OUTPUT/env/token."""
+
+    max_turns: int = Field(8, ge=1)
+    """Policy turns per episode at most; an episode still running then is truncated."""
+
+    max_action_tokens: int = Field(16, ge=1)
+    """Tokens the policy writes per turn at most; a turn also ends at the tokenizer's EOS token."""
+
+    max_observation_tokens: int = Field(256, ge=1)
+    """Tokens kept of each observation (its first ones; longer observations are cut, counted in the
+    metric env/observation_cut_rate)."""
+
+    max_episode_tokens: int | None = Field(None, ge=1)
+    """Token budget of an episode after the first prompt (actions + observations): an episode that
+    would go past it is truncated. None: max_turns x (max_action_tokens + max_observation_tokens).
+    The trained sequence is rollout.max_prompt_length + this."""
+
+    instructions: str | None = None
+    """Text put before the first observation. None: the environment's own `instructions`."""
+
+    reward_weight: float = 1.0
+    """Weight of the environment's reward (the sum over the episode's turns) in the episode reward;
+    reward.functions (scored on the whole transcript) and their reward.weights add to it."""
+
+    def episode_tokens(self) -> int:
+        """The episode's token budget after the first prompt (the one place this is computed)."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_turns * (self.max_action_tokens + self.max_observation_tokens)
 
 
 class TrainSection(Section):
@@ -317,6 +389,7 @@ class Job(BaseModel):
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
+    env: EnvSection = Field(default_factory=EnvSection)
     train: TrainSection = Field(default_factory=TrainSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
@@ -327,6 +400,11 @@ class Job(BaseModel):
         """Whether the reference and reward roles have anything to hold (the one place this is decided):
         a reference model only when the KL term is on (beta > 0), a reward model only when one is named."""
         return {"reference": self.algorithm.beta > 0, "reward": self.reward.model is not None}
+
+    def completion_tokens(self) -> int:
+        """Tokens after the prompt of one trained sequence: an episode's budget with an env, else
+        rollout.max_completion_length."""
+        return self.env.episode_tokens() if self.env.name else self.rollout.max_completion_length
 
     def generation_batch(self, policy_ranks: int) -> int:
         """Completions sampled per generation round over all policy ranks (the one place this is computed):

@@ -98,7 +98,7 @@ class Parts:
 
 def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
     job, pol = r.job, models.policy
-    t, P, T = job.train, job.rollout.max_prompt_length, job.rollout.max_completion_length
+    t, P, T = job.train, job.rollout.max_prompt_length, job.completion_tokens()
     prec = training_precision(job.model.dtype, t.precision)
     micro = micro_batch(r)
     rows = t.per_device_batch * t.steps_per_generation
@@ -259,7 +259,7 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         micro_batch=micro_batch(r),
         rollout_rows=t.per_device_batch * t.steps_per_generation,
         prompt_tokens=job.rollout.max_prompt_length,
-        completion_tokens=job.rollout.max_completion_length,
+        completion_tokens=job.completion_tokens(),
         reference=lay.reference,
         reward_model=lay.reward_model,
         devices=_devices(hw, per_device),

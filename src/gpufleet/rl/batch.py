@@ -91,6 +91,8 @@ class Scored:
     rewards: torch.Tensor  # (N,)
     per_function: torch.Tensor  # (N, F)
     stats: dict[str, float]
+    segments: list | None = None
+    """Env jobs: each row's transcript as (text, is the policy's) pieces, for samples.jsonl."""
 
 
 def tokenize_prompts(tokenizer, prompts: list, max_len: int) -> tuple[list[list[int]], list[str]]:

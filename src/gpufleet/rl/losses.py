@@ -240,7 +240,7 @@ class Loss:
             a.epsilon,
             a.epsilon_high,
             a.beta,
-            job.rollout.max_completion_length,
+            job.completion_tokens(),  # dr_grpo's constant L: an episode's token budget with an env
         )
 
     def __call__(

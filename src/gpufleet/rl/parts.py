@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from gpufleet.config.schema import Job
-from gpufleet.dist import Runtime
+from gpufleet.dist import Runtime, all_true
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.losses import Loss
 from gpufleet.rl.precision import model_dtype
 from gpufleet.rl.rewards import Rewards
+from gpufleet.rl.rollout import Rollout, generate
 
 
 @dataclass
@@ -25,17 +26,22 @@ class Parts:
     train_model: torch.nn.Module  # what the loss goes through: the policy, its DDP wrapper, or FSDP
     reference: torch.nn.Module | None  # colocated reference model (None: not used, or on a scorer)
     tokenizer: object
-    source: PromptSource
+    source: PromptSource | None  # None with an env: the environments give the prompts
     rewards: Rewards
     loss: Loss
+    env: object | None = None
+    """With an env: this rank's way to its environments (env/client.py `EnvPool` or `LocalPool`)."""
 
     @property
     def device(self) -> torch.device:
         return self.rt.device
 
 
-def build(job: Job, rt: Runtime | None = None, weights: Path | None = None) -> Parts:
-    """Load everything; `weights`: a checkpoint folder to take the policy weights from (resume)."""
+def build(
+    job: Job, rt: Runtime | None = None, weights: Path | None = None, run_dir: Path | None = None
+) -> Parts:
+    """Load everything; `weights`: a checkpoint folder to take the policy weights from (resume);
+    `run_dir`: the output folder (where gpufleet's environment servers are listed)."""
     from transformers.utils import logging as hf_logging
 
     from gpufleet.models import load_causal_lm, load_tokenizer
@@ -57,6 +63,38 @@ def build(job: Job, rt: Runtime | None = None, weights: Path | None = None) -> P
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
         reference = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
-    source = PromptSource(job.data, job.train.seed)
-    rewards = Rewards(job.reward, source.reward_names(), rt.device, model_here=not rt.dedicated("reward"))
-    return Parts(job, rt, policy, train_model, reference, tokenizer, source, rewards, Loss.from_job(job))
+    env = source = None
+    if job.env.name:
+        from gpufleet.env.connect import open_pool
+
+        env = open_pool(job, rt, run_dir or Path(job.output.dir))
+    else:
+        source = PromptSource(job.data, job.train.seed)
+    rewards = Rewards(
+        job.reward,
+        source.reward_names() if source else [],
+        rt.device,
+        model_here=not rt.dedicated("reward"),
+        env_weight=job.env.reward_weight if job.env.name else None,
+    )
+    loss = Loss.from_job(job)
+    return Parts(job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env)
+
+
+def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> Rollout:
+    """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
+    the sharded model, together (every rank must call this the same number of times)."""
+    rt, ro = p.rt, p.job.rollout
+    fsdp = rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1
+    return generate(
+        p.train_model if fsdp else p.policy,
+        prompt_ids,
+        seeds=seeds,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=p.tokenizer.eos_token_id,
+        pad_token_id=p.tokenizer.pad_token_id,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
+    ).to(p.device)

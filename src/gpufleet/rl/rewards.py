@@ -66,19 +66,25 @@ class RewardModel:
 
 
 class Rewards:
-    """All reward sources of a job, in order: functions, then the model. `names` label the metrics."""
+    """All reward sources of a job, in order: the environment's (an env job), the functions, then the
+    model. `labels` name them in the metrics."""
 
     def __init__(
-        self, cfg: RewardSection, default_names: list[str], device: torch.device, model_here: bool = True
+        self,
+        cfg: RewardSection,
+        default_names: list[str],
+        device: torch.device,
+        model_here: bool = True,
+        env_weight: float | None = None,
     ):
-        names = list(cfg.functions) or list(default_names)
+        names = list(cfg.functions) or ([] if env_weight is not None else list(default_names))
         self.fns: list[Callable | None] = [resolve_function(n) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
             # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
             self.fns.append(RewardModel(cfg.model, device) if model_here else None)
             self.names.append("reward_model")
-        if not self.fns:
+        if not self.fns and env_weight is None:
             raise UserError(
                 "no reward function or model.",
                 field="reward.functions",
@@ -91,17 +97,26 @@ class Rewards:
                 field="reward.weights",
                 fix=f"give {len(self.fns)} weights",
             )
-        self.weights = torch.tensor(weights, dtype=torch.float32)
-        self.labels = self.names
+        self.env = env_weight is not None
+        self.weights = torch.tensor(([env_weight] if self.env else []) + list(weights), dtype=torch.float32)
+        self.labels = (["env"] if self.env else []) + self.names
 
     def __call__(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list], model_scores=None
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list],
+        model_scores=None,
+        env_rewards: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank."""
+        """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
+        `env_rewards`: the episodes' environment rewards (first column of an env job)."""
         skip = ("prompt", "completion", "prompts", "completions")
         cols = {k: v for k, v in columns.items() if k not in skip}
-        out = torch.empty(len(completions), len(self.fns), dtype=torch.float32)
-        for j, (fn, label) in enumerate(zip(self.fns, self.labels, strict=True)):
+        out = torch.empty(len(completions), len(self.labels), dtype=torch.float32)
+        if self.env:
+            out[:, 0] = env_rewards
+        for j, (fn, label) in enumerate(zip(self.fns, self.names, strict=True), start=int(self.env)):
             values = model_scores if fn is None else _call_checked(fn, label, prompts, completions, cols)
             out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out

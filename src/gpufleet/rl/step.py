@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum, all_true
+from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.errors import UserError
 from gpufleet.rl import scorer
 from gpufleet.rl.advantages import combine_rewards, group_advantages
@@ -27,44 +27,70 @@ from gpufleet.rl.batch import (
     reuse_count,
     tokenize_prompts,
 )
-from gpufleet.rl.parts import Parts
-from gpufleet.rl.rollout import Rollout, generate, sequence_logprobs
+from gpufleet.rl.episodes import episode_stats, play
+from gpufleet.rl.parts import Parts, sample
+from gpufleet.rl.rollout import sequence_logprobs
 
 _TOKEN_WEIGHTED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 """Loss statistics averaged over the step's valid tokens (each micro-batch weighted by its share)."""
 
 
 def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
-    """Sample, reward and score this rank's rows of generation batch `gen_index` (see rl/batch.py)."""
+    """Sample (or play, with an env), reward and score this rank's rows of generation batch `gen_index`
+    (see rl/batch.py)."""
     job, rt, t = p.job, p.rt, p.job.train
     G = job.algorithm.num_generations
     first_prompt = gen_index * (job.generation_batch(rt.policy_size) // G)
     rows = rank_rows(rt.policy_index, rt.policy_size, t.per_device_batch, t.steps_per_generation)
     row_pos = [first_prompt + j // G for j in rows]
-    prompt_ids, prompts, columns = _prompts(p, row_pos)
-    rollout = _sample(
-        p, prompt_ids, [completion_seed(t.seed, pos, j % G) for pos, j in zip(row_pos, rows, strict=True)]
-    )
-    completions = p.tokenizer.batch_decode(
-        rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
-    )
+    seeds = [completion_seed(t.seed, pos, j % G) for pos, j in zip(row_pos, rows, strict=True)]
+    episodes = None
+    if p.env is not None:
+        episodes = play(p, rows, row_pos, seeds, gen_index)
+        rollout, loss_mask, prompts, completions, columns = (
+            episodes.rollout,
+            episodes.loss_mask,
+            episodes.prompts,
+            episodes.transcripts,
+            {},
+        )
+    else:
+        prompt_ids, prompts, columns = _prompts(p, row_pos)
+        rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
+        loss_mask = rollout.completion_mask.float()
+        completions = p.tokenizer.batch_decode(
+            rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
+        )
     batch = GenerationBatch(
         input_ids=rollout.input_ids,
         attention_mask=rollout.attention_mask,
-        completion_mask=rollout.completion_mask.float(),
+        completion_mask=loss_mask,
         advantages=torch.zeros(len(rows)),
         old_logprobs=None,
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
     remote = _ask_scorers(rt, batch, prompts, completions)
-    per_function = p.rewards(prompts, completions, columns, remote.get("rm_scores"))
+    per_function = p.rewards(
+        prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
+    )
     per_function_all = _gather_rows_in_order(p, per_function)
     rewards_all = combine_rewards(per_function_all, p.rewards.weights)
     advantages, stats = group_advantages(rewards_all, G, scale=job.algorithm.scale_rewards)
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
     _add_logprobs(p, batch, remote, autocast)
-    return Scored(batch, rollout, prompts, completions, rewards_all, per_function_all, stats)
+    if episodes is not None:
+        stats |= episode_stats(rt, episodes)
+    return Scored(
+        batch,
+        rollout,
+        prompts,
+        completions,
+        rewards_all,
+        per_function_all,
+        stats,
+        segments=episodes.segments if episodes else None,
+    )
 
 
 def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list]]:
@@ -79,24 +105,6 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
     text_by_pos = dict(zip(positions, texts, strict=True))
     columns = {k: [examples[pos][k] for pos in row_pos] for k in examples[positions[0]] if k != field}
     return [ids_by_pos[pos] for pos in row_pos], [text_by_pos[pos] for pos in row_pos], columns
-
-
-def _sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int]) -> Rollout:
-    """One completion per row. Under FSDP the ranks generate through the sharded model, together."""
-    rt, ro = p.rt, p.job.rollout
-    fsdp = rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1
-    return generate(
-        p.train_model if fsdp else p.policy,
-        prompt_ids,
-        seeds=seeds,
-        max_new_tokens=ro.max_completion_length,
-        eos_token_id=p.tokenizer.eos_token_id,
-        pad_token_id=p.tokenizer.pad_token_id,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
-    ).to(p.device)
 
 
 def _ask_scorers(rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str]) -> dict:

@@ -40,7 +40,7 @@ def train(
     checkpoints and the final model. Returns the last step's metrics."""
     rt = rt or Runtime()
     t, o = job.train, job.output
-    p = build(job, rt, weights=resume_from)
+    p = build(job, rt, weights=resume_from, run_dir=out_dir)
     opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device)
     reuse = reuse_count(job)
@@ -65,6 +65,8 @@ def train(
         sched.step()
         m.update(_rollout_metrics(rt, scored, p.rewards.labels))
         m["step_time"] = time.perf_counter() - t0
+        if "timing/env" in m and step % reuse == 0:  # the share of this step spent waiting on envs
+            m["timing/env_share"] = m["timing/env"] / m["step_time"]
         tokens = float(all_reduce_sum(rt, float(scored.batch.attention_mask.sum())))
         m["tokens_per_s"] = tokens / reuse / m["step_time"]
         m["step"] = step + 1
@@ -120,6 +122,7 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(truncated.mean()),
     }
+    m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/"))}  # an env job's
     for j, label in enumerate(labels):
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
@@ -127,13 +130,16 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
 
 
 def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> None:
+    """The first k rows; an env job's rows also as a transcript: each piece marked trained (the
+    policy's tokens) or not (observations)."""
     for i in range(min(k, len(s.completions))):
-        writer.write(
-            {
-                "step": step,
-                "prompt": s.prompts[i],
-                "completion": s.completions[i],
-                "reward": float(s.rewards[i]),
-                "advantage": float(s.batch.advantages[i]),
-            }
-        )
+        record = {
+            "step": step,
+            "prompt": s.prompts[i],
+            "completion": s.completions[i],
+            "reward": float(s.rewards[i]),
+            "advantage": float(s.batch.advantages[i]),
+        }
+        if s.segments is not None:
+            record["transcript"] = [{"text": text, "trained": mine} for text, mine in s.segments[i]]
+        writer.write(record)

@@ -1,7 +1,8 @@
 """Every rule a job must satisfy, checked before anything loads: `run_checks(resolved, hardware)`.
 
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
-resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan).
+resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
+env.py those of an env job (multi-turn agent RL).
 Importing this package registers them all, in that order.
 """
 
@@ -10,6 +11,7 @@ Importing this package registers them all, in that order.
 from gpufleet.rules import job  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
+from gpufleet.rules import env  # noqa: F401
 
 # isort: on
 from gpufleet.rules.registry import Context, run_checks

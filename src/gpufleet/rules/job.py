@@ -138,7 +138,7 @@ def rollout_engine(ctx: Context):
 @rule
 def sequence_fits_model(ctx: Context):
     m, ro = ctx.model, ctx.job.rollout
-    if not m or not m.max_position_embeddings:
+    if not m or not m.max_position_embeddings or ctx.job.env.name:  # an env job: rules/env.py
         return
     total = ro.max_prompt_length + ro.max_completion_length
     limit = m.max_position_embeddings

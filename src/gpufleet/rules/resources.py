@@ -65,15 +65,16 @@ def rewards_resolvable(ctx: Context):
 
     rw, data = ctx.job.reward, ctx.job.data
     names = list(rw.functions)
-    builtin_task = data.path.startswith("builtin:")
-    if not names and rw.model is None and not builtin_task:
+    env_job = bool(ctx.job.env.name)  # the env's reward, then these; the data set is not read
+    builtin_task = data.path.startswith("builtin:") and not env_job
+    if not names and rw.model is None and not builtin_task and not env_job:
         yield err(
             [ctx.ref("reward.functions"), ctx.ref("reward.model"), ctx.ref("data.path")],
             "no reward: no reward functions, no reward model, and the dataset is not a built-in task.",
             "--set reward.functions=my_rewards:accuracy (a module:function on your PYTHONPATH)",
         )
     known = tasks.reward_names()
-    columns = _reward_columns(ctx) if any(":" in n for n in names) else None
+    columns = ([] if env_job else _reward_columns(ctx)) if any(":" in n for n in names) else None
     for name in names:
         if ":" in name:
             try:
@@ -98,7 +99,9 @@ def rewards_resolvable(ctx: Context):
         yield err(
             [ctx.ref("reward.weights"), ctx.ref("reward.functions"), ctx.ref("reward.model")],
             f"{len(rw.weights)} weights for {count} rewards.",
-            f"give {count} weights (one per function, then the model), e.g. --set reward.weights="
+            f"give {count} weights (one per function, then the model"
+            + ("; the env's is env.reward_weight" if env_job else "")
+            + "), e.g. --set reward.weights="
             + ",".join(["1.0"] * count),
         )
 
@@ -131,6 +134,8 @@ def data_available(ctx: Context):
     from gpufleet import tasks
 
     data = ctx.job.data
+    if ctx.job.env.name:  # the environments give the prompts
+        return
     if data.path.startswith("builtin:"):
         name = data.path[len("builtin:") :]
         if name not in tasks.TASKS:

@@ -178,10 +178,15 @@ def _head_lines(job: str, hw: Hardware, r: Resolved, models: Models) -> list[str
             f"(config.json from {pol.source})"
         )
     t, ro, a = jb.train, jb.rollout, jb.algorithm
+    after = (
+        f"episode {jb.completion_tokens()} (env {jb.env.name}: {jb.env.max_turns} turns)"
+        if jb.env.name
+        else f"completion {ro.max_completion_length}"
+    )
     out.append(
         f"  job:      {a.name}, G={a.num_generations}, beta {a.beta}; per_device_batch {t.per_device_batch}, "
         f"micro-batch {t.micro_batch}, steps_per_generation {t.steps_per_generation}; "
-        f"prompt {ro.max_prompt_length} + completion {ro.max_completion_length} tokens; precision {t.precision}, "
+        f"prompt {ro.max_prompt_length} + {after} tokens; precision {t.precision}, "
         f"model.dtype {jb.model.dtype}"
     )
     return out

@@ -3,6 +3,7 @@ or through torchrun (N processes), and print where the results are or why it fai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -61,19 +62,39 @@ def train_command(
     from gpufleet.launch.torchrun import Interrupted
 
     try:
-        code = (
-            _in_process(jb, out, hw, topo, start.checkpoint)
-            if topo.world_size == 1
-            else _torchrun(
-                jb, topo, job_file, out, hw, {**env, "PYTHONPATH": pythonpath(roots(r.job_path), env)}
+        with env_servers(jb, out, topo, hw, roots(r.job_path)):
+            code = (
+                _in_process(jb, out, hw, topo, start.checkpoint)
+                if topo.world_size == 1
+                else _torchrun(
+                    jb, topo, job_file, out, hw, {**env, "PYTHONPATH": pythonpath(roots(r.job_path), env)}
+                )
             )
-        )
     except (KeyboardInterrupt, Interrupted):
         print(_interrupted(out, jb), file=sys.stderr)
         return 130
     if code == 0:
         _results(out, jb)
     return code
+
+
+@contextlib.contextmanager
+def env_servers(jb, out: Path, topo, hw, folders: list[str]):
+    """gpufleet's environment servers for the run (an env job with env.servers != 0 and no
+    env.address): started and healthy before training, watched (a dead one is restarted), stopped after,
+    whatever happens. `auto`: one per policy device of this node."""
+    cfg = jb.env
+    if not cfg.name or cfg.address or cfg.servers == 0:
+        yield None
+        return
+    from gpufleet.env.servers import EnvServers
+
+    count = len(topo.policy_devices) if cfg.servers == "auto" else cfg.servers
+    devices = None if hw.is_cpu else [str(d) for d in topo.policy_devices]
+    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, devices=devices) as servers:
+        servers.start()
+        print(f"env: {plural(count, 'server')} of {cfg.name} on {', '.join(servers.addresses())}", flush=True)
+        yield servers
 
 
 def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: bool):
@@ -133,10 +154,11 @@ def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
 
 def _header(job: str, jb, topo, hw, out: Path) -> None:
     a, t = jb.algorithm, jb.train
+    what = f"episodes; env {jb.env.name}" if jb.env.name else f"completions; data {jb.data.path}"
     print(f"gpufleet train {job}: {jb.model.path}; {topo.describe()}; {hw.describe()}", flush=True)
     print(
         f"  {a.name}: G={a.num_generations}, loss {a.loss_type}, {a.importance_level} level, beta {a.beta}; "
-        f"{plural(t.max_steps, 'step')} x {t.per_device_batch * topo.policy_ranks} completions; data {jb.data.path}; "
+        f"{plural(t.max_steps, 'step')} x {t.per_device_batch * topo.policy_ranks} {what}; "
         f"output {out}",
         flush=True,
     )

@@ -1,0 +1,75 @@
+"""How a trainer rank reaches its environments (torch-free): in process, gpufleet's own servers for the
+run, or servers someone else runs.
+
+    env.servers 0        a `LocalPool` in each rank
+    env.servers auto|N   the servers `gpufleet train` started, listed in OUTPUT/env/servers.json; policy
+                         rank i uses those placed for its device (server j with j % ranks == i)
+    env.address          an `EnvPool` over those addresses, with the token in env.token_file
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpufleet.errors import UserError
+
+
+def open_pool(job, rt, run_dir: Path):
+    """This rank's way to its environments: in-process (env.servers 0), gpufleet's servers for the run
+    (OUTPUT/env/servers.json; this rank uses the servers placed on its device), or env.address."""
+    from gpufleet.env import client
+
+    cfg = job.env
+    if cfg.address:
+        return client.EnvPool(list(cfg.address), read_token(cfg.token_file))
+    if cfg.servers == 0:
+        from gpufleet.env.source import factory
+
+        return client.LocalPool(factory(cfg.name, dict(cfg.kwargs)), cfg.name)
+    servers_json = servers_file(run_dir)
+    if not servers_json.exists():
+        raise UserError(
+            f"no environment servers for this run ({servers_json} is missing).",
+            field="env.servers",
+            fix="start the run with gpufleet train (it starts the servers), or give env.address",
+        )
+    return client.EnvPool.from_file(servers_json, only=server_indices(servers_json, rt))
+
+
+def server_indices(servers_json: Path, rt) -> list[int]:
+    """The servers policy rank `rt.policy_index` uses: those placed for its device (i % ranks == index),
+    or server index % count when there are fewer servers than ranks."""
+    count = len(json.loads(servers_json.read_text(encoding="utf-8"))["servers"])
+    mine = [i for i in range(count) if i % rt.policy_size == rt.policy_index]
+    return mine or [rt.policy_index % count]
+
+
+def read_token(path: str | None) -> str:
+    """The first line of env.token_file."""
+    if not path:
+        raise UserError(
+            "env.address is set but env.token_file is not.",
+            field="env.token_file",
+            fix="give the file holding the servers' token (--set env.token_file=PATH)",
+        )
+    try:
+        token = Path(path).expanduser().read_text(encoding="utf-8").splitlines()[0].strip()
+    except (OSError, IndexError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"cannot read a token from env.token_file {path}: {e}.",
+            field="env.token_file",
+            fix="give a readable file whose first line is the token",
+        ) from None
+    if not token:
+        raise UserError(
+            f"env.token_file {path} has an empty first line.",
+            field="env.token_file",
+            fix="put the token there",
+        )
+    return token
+
+
+def servers_file(run_dir: Path) -> Path:
+    """Where `gpufleet train` lists the run's environment servers (written by env/servers.py)."""
+    return run_dir / "env" / "servers.json"

@@ -1,0 +1,105 @@
+"""`env.name` -> a factory of text environments, and the checks `gpufleet check` runs on it.
+
+    builtin:keys               gpufleet's own (env/builtin.py)
+    gymnasium:FrozenLake-v1    a Gymnasium environment through the text adapter (env/gym.py)
+    my_envs:Sokoban            the user's class (module:Class or path/to/file.py:Class), looked up
+                               like reward functions (the job's folder, the working directory, PYTHONPATH)
+
+`env.kwargs` go to the class (to `gymnasium.make` for gymnasium:). Every failure is a `UserError` on
+`env.name` / `env.kwargs` with the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpufleet.env.base import EnvError, checked_reset
+from gpufleet.errors import UserError
+
+BUILTIN = "builtin:"
+GYMNASIUM = "gymnasium:"
+FIELD = "env.name"
+
+
+def factory(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = None) -> Callable[[], Any]:
+    """A function making one fresh environment of `name`; import errors are raised now."""
+    if name.startswith(BUILTIN):
+        from gpufleet.env.builtin import BUILTIN_ENVS
+
+        key = name[len(BUILTIN) :]
+        if key not in BUILTIN_ENVS:
+            close = difflib.get_close_matches(key, list(BUILTIN_ENVS), n=1)
+            raise UserError(
+                f"env.name {name!r}: there is no built-in environment {key!r}.",
+                field=FIELD,
+                fix=f"did you mean builtin:{close[0]}?"
+                if close
+                else "built-in: " + ", ".join(BUILTIN + k for k in BUILTIN_ENVS),
+            )
+        cls = BUILTIN_ENVS[key]
+        _check_kwargs(name, cls, kwargs)
+        return lambda: cls(**kwargs)
+    if name.startswith(GYMNASIUM):
+        env_id = name[len(GYMNASIUM) :]
+        _check_gymnasium_id(name, env_id)
+        from gpufleet.env.gym import GymTextEnv
+
+        return lambda: GymTextEnv(env_id, **kwargs)
+    from gpufleet import usercode
+
+    cls = usercode.import_object(
+        name, folders, field=FIELD, what="environment", example="my_envs:Sokoban", form="Class"
+    )
+    _check_kwargs(name, cls, kwargs)
+    return lambda: cls(**kwargs)
+
+
+def check(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = None) -> None:
+    """Resolve `name`; for builtin: and gymnasium: also make one environment and reset it (cheap and
+    ours); a user's class is imported and its constructor checked against env.kwargs, not run."""
+    make = factory(name, kwargs, folders)
+    if name.startswith((BUILTIN, GYMNASIUM)):
+        try:
+            env = make()
+            checked_reset(env, 0, name)
+        except EnvError as e:
+            raise UserError(
+                str(e), field="env.kwargs", fix="check env.kwargs against the environment"
+            ) from None
+        except Exception as e:
+            raise UserError(
+                f"env.name {name!r} with env.kwargs {kwargs}: {type(e).__name__}: {e}",
+                field="env.kwargs",
+                fix="check env.kwargs against the environment's options",
+            ) from None
+
+
+def _check_gymnasium_id(name: str, env_id: str) -> None:
+    import gymnasium
+
+    if env_id in gymnasium.registry:
+        return
+    close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=1)
+    raise UserError(
+        f"env.name {name!r}: Gymnasium has no environment {env_id!r}.",
+        field=FIELD,
+        fix=f"did you mean gymnasium:{close[0]}?" if close else "e.g. gymnasium:FrozenLake-v1",
+    )
+
+
+def _check_kwargs(name: str, cls: Callable, kwargs: dict[str, Any]) -> None:
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        raise UserError(
+            f"env.kwargs {kwargs} do not fit {name}{sig}: {e}.",
+            field="env.kwargs",
+            fix=f"give env.kwargs that {name}'s constructor takes",
+        ) from None

@@ -1,0 +1,241 @@
+"""The multi-turn rollout: the policy acts, the environments answer, and only the policy's tokens train.
+
+One episode, as the policy sees it and as it is trained:
+
+    [instructions + first observation]  [action 1][observation 1][action 2][observation 2] ... [action n]
+     prompt (left-padded, not trained)   policy    environment    policy    environment        policy
+                                         mask 1    mask 0         mask 1    mask 0             mask 1
+
+Per turn, every live episode of this rank samples its action together (one batched `generate` over the
+whole transcript so far, KV cache within the turn): up to `env.max_action_tokens` tokens, ending early at
+EOS (kept, trained: it is how the policy ends its turn). The environments step in one batch per server;
+an observation is tokenised (its first `env.max_observation_tokens` tokens) and appended with loss mask 0.
+An episode ends when the environment says terminated or truncated, at `env.max_turns`, or when the next
+turn would pass `env.max_episode_tokens` (truncated).
+
+The result is an ordinary generation batch: `completion_start` is the first prompt's padded length,
+`attention_mask` covers actions and observations, `completion_mask` (the loss mask) the actions only, so
+losses, normalisers (dapo / bnpo count policy tokens), log-probs and the KL see the policy's tokens only.
+The tokens trained are the tokens sampled (never re-tokenised text), at the same positions.
+
+Determinism (rank invariance, exact resume): episode j of the generation batch resets with the seed of
+its group (train.seed and the group's position; the G episodes of a group share it) and samples turn t
+with its own random stream (`turn_seed`), so nothing depends on which rank or server runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpufleet.rl.parts import sample
+from gpufleet.rl.rollout import Rollout, left_pad
+
+SEED_SPACE = 2**31
+"""Environment seeds stay below this (what numpy's and Gymnasium's seeding take everywhere)."""
+
+
+def episode_seed(seed: int, position: int) -> int:
+    """The reset seed of the group at `position` of the prompt stream (shared by its G episodes)."""
+    return (seed * 1_000_003 + position * 7_919 + 17) % SEED_SPACE
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """Sampling seed of turn `turn` of an episode whose first turn would use `sample_seed`."""
+    return sample_seed * 1_009 + turn
+
+
+@dataclass
+class _Episode:
+    id: str
+    seed: int
+    sample_seed: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    segments: list[tuple[str, bool]] = field(default_factory=list)  # (text, is policy's)
+    reward: float = 0.0
+    turns: int = 0
+    invalid: int = 0
+    observed: int = 0
+    cut: int = 0
+    success: float = float("nan")
+    done: bool = False
+    truncated: bool = False
+
+
+@dataclass
+class Episodes:
+    """What `play` returns for this rank's rows, in row order."""
+
+    rollout: Rollout
+    """prompt_ids/prompt_mask: the first prompt, left-padded; completion_ids: everything after it, right-
+    padded; completion_mask: its attention (actions and observations); completion_lengths: policy tokens;
+    is_truncated: the episode was cut (turns, tokens, or the environment's own time limit)."""
+    loss_mask: torch.Tensor  # (B, T) float: 1 on policy tokens only
+    prompts: list[str]
+    transcripts: list[str]  # the text after the prompt (actions and observations), for reward functions
+    segments: list[list[tuple[str, bool]]]
+    env_rewards: torch.Tensor  # (B,) sum of the environment's rewards
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)  # (B,) per-episode counts for metrics
+    env_seconds: float = 0.0
+
+
+def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
+    """Run this rank's episodes of generation batch `gen_index` (row j: group position row_pos, sampling
+    seed sample_seeds) to the end; see the module docstring."""
+    cfg, tok = p.job.env, p.tokenizer
+    eps = [
+        _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
+        for j, pos, s in zip(rows, row_pos, sample_seeds, strict=True)
+    ]
+    waited = time.perf_counter()
+    first = p.env.reset([(e.id, e.seed) for e in eps])
+    env_seconds = time.perf_counter() - waited
+    prompts = []
+    for e, (obs, info) in zip(eps, first, strict=True):
+        text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
+        e.prompt = tok.encode(text, add_special_tokens=False)[-p.job.rollout.max_prompt_length :] or [
+            tok.eos_token_id
+        ]
+        prompts.append(text)
+    budget = cfg.episode_tokens()
+    for turn in range(cfg.max_turns):
+        live = [e for e in eps if not e.done]
+        if not _anyone(p, bool(live)):
+            break
+        actions = _act(p, live, turn, budget)
+        waited = time.perf_counter()
+        results = (
+            p.env.step([(e.id, text) for e, (_, text) in zip(live, actions, strict=True)]) if live else []
+        )
+        env_seconds += time.perf_counter() - waited
+        for e, (ids, text), result in zip(live, actions, results, strict=True):
+            _record(e, ids, text, result, tok, cfg, last_turn=turn == cfg.max_turns - 1, budget=budget)
+    for e in eps:  # still running after max_turns (only when every rank stopped early: never here)
+        if not e.done:
+            e.done = e.truncated = True
+    waited = time.perf_counter()
+    p.env.close([e.id for e in eps])
+    return _assemble(p, eps, prompts, env_seconds + time.perf_counter() - waited)
+
+
+def _anyone(p, mine: bool) -> bool:
+    """Whether any rank still has a live episode (under FSDP every rank must generate in step)."""
+    rt = p.rt
+    if rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1:
+        from gpufleet.dist import all_true
+
+        return not all_true(rt, not mine)
+    return mine
+
+
+def _act(p, live: list[_Episode], turn: int, budget: int) -> list[tuple[list[int], str]]:
+    """Each live episode's action this turn: its tokens (EOS kept, cut to the budget) and its text."""
+    cfg, tok = p.job.env, p.tokenizer
+    contexts = [e.prompt + e.tokens for e in live] or [[tok.eos_token_id]]  # FSDP: a rank with none
+    seeds = [turn_seed(e.sample_seed, turn) for e in live] or [0]
+    out = sample(p, contexts, seeds, cfg.max_action_tokens)
+    actions = []
+    for e, ids in zip(live, out.completions(), strict=False):
+        ids = ids[: max(budget - len(e.tokens), 0)]
+        text = tok.decode([i for i in ids if i != tok.eos_token_id], skip_special_tokens=True)
+        actions.append((ids, text))
+    return actions
+
+
+def _record(e: _Episode, ids, text, result, tok, cfg, *, last_turn: bool, budget: int) -> None:
+    """Append one turn to episode `e`: the action (mask 1), then the observation (mask 0) if it goes on."""
+    obs, reward, terminated, truncated, info = result
+    e.tokens += ids
+    e.mask += [1] * len(ids)
+    e.segments.append((text, True))
+    e.reward += reward
+    e.turns += 1
+    e.invalid += bool(info.get("invalid_action", False))
+    if "success" in info:
+        e.success = float(bool(info["success"]))
+    if terminated or truncated:
+        e.done, e.truncated = True, bool(truncated)
+        return
+    obs_ids = tok.encode(obs, add_special_tokens=False)
+    e.observed += 1
+    if len(obs_ids) > cfg.max_observation_tokens:
+        obs_ids, e.cut = obs_ids[: cfg.max_observation_tokens], e.cut + 1
+    if last_turn or len(e.tokens) + len(obs_ids) >= budget:  # no room for another action
+        e.done = e.truncated = True
+        return
+    e.tokens += obs_ids
+    e.mask += [0] * len(obs_ids)
+    e.segments.append((tok.decode(obs_ids, skip_special_tokens=True), False))
+
+
+def _assemble(p, eps: list[_Episode], prompts: list[str], env_seconds: float) -> Episodes:
+    """Tensors of the episodes: the generation batch's layout (see the module docstring)."""
+    tok, device = p.tokenizer, p.device
+    prompt_ids, prompt_mask = left_pad([e.prompt for e in eps], tok.pad_token_id, device)
+    width = max(1, max(len(e.tokens) for e in eps))
+    ids = torch.full((len(eps), width), tok.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(eps), width), dtype=torch.long)
+    loss = torch.zeros((len(eps), width), dtype=torch.float32)
+    for i, e in enumerate(eps):
+        n = len(e.tokens)
+        ids[i, :n] = torch.tensor(e.tokens, dtype=torch.long)
+        attention[i, :n] = 1
+        loss[i, :n] = torch.tensor(e.mask, dtype=torch.float32)
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=ids.to(device),
+        completion_mask=attention.to(device),
+        completion_lengths=torch.tensor([sum(e.mask) for e in eps], device=device),
+        is_truncated=torch.tensor([e.truncated for e in eps], device=device),
+    )
+    counts = {
+        "turns": torch.tensor([float(e.turns) for e in eps]),
+        "invalid": torch.tensor([float(e.invalid) for e in eps]),
+        "success": torch.tensor([e.success for e in eps]),
+        "cut": torch.tensor([float(e.cut) for e in eps]),
+        "observed": torch.tensor([float(e.observed) for e in eps]),
+    }
+    return Episodes(
+        rollout=rollout,
+        loss_mask=loss.to(device),
+        prompts=prompts,
+        transcripts=[tok.decode(e.tokens, skip_special_tokens=True) for e in eps],
+        segments=[e.segments for e in eps],
+        env_rewards=torch.tensor([e.reward for e in eps], dtype=torch.float32),
+        counts=counts,
+        env_seconds=env_seconds,
+    )
+
+
+def episode_stats(rt, e: Episodes) -> dict[str, float]:
+    """Per generation batch over every rank: env/turns_mean, env/success_rate (episodes whose env said),
+    env/invalid_action_rate (per action), env/observation_cut_rate (per observation), timing/env."""
+    from gpufleet.dist import all_reduce_sum
+
+    c = e.counts
+    said = ~torch.isnan(c["success"])
+    local = torch.tensor(
+        [
+            float(len(c["turns"])),
+            float(c["turns"].sum()),
+            float(c["invalid"].sum()),
+            float(c["success"][said].sum()),
+            float(said.sum()),
+            float(c["cut"].sum()),
+            float(c["observed"].sum()),
+            e.env_seconds,
+        ]
+    )
+    n, turns, invalid, success, said_n, cut, obs, seconds = all_reduce_sum(rt, local).tolist()
+    return {
+        "env/turns_mean": turns / max(n, 1),
+        "env/success_rate": success / said_n if said_n else float("nan"),
+        "env/invalid_action_rate": invalid / max(turns, 1),
+        "env/observation_cut_rate": cut / max(obs, 1),
+        "timing/env": seconds / max(rt.policy_size, 1),
+    }
