@@ -241,7 +241,7 @@ def test_frozenlake_runs_end_to_end_and_its_reward_rises(tmp_path):
     job = str(ROOT / "examples" / "agent-frozenlake.yaml")
     out = [sys.executable, "-m", "gpufleet", "train", job, "--gpus", "cpu", "--set", f"output.dir={run}"]
     p = subprocess.run(
-        [*out, "--set", "train.max_steps=60", "--set", "train.log_every=10"],
+        [*out, "--set", "train.max_steps=40", "--set", "train.log_every=10"],
         capture_output=True,
         text=True,
         env=env(),
@@ -256,3 +256,79 @@ def test_frozenlake_runs_end_to_end_and_its_reward_rises(tmp_path):
     assert m[-1]["env/turns_mean"] > 1 and "rewards/progress/mean" in m[-1]
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert any("*" in t["text"] and not t["trained"] for s in samples for t in s["transcript"])
+
+
+def test_servers_someone_else_runs_give_the_same_run_and_a_wrong_token_is_one_line(tmp_path):
+    """env.address + env.token_file: a server started by hand (python -m gpufleet.env.server) gives the
+    same weights as environments inside the trainer (env.servers 0); a wrong token is one line, exit 2."""
+    (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "wrong").write_text("guess\n")
+    ready = tmp_path / "ready.json"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpufleet.env.server",
+            "--env",
+            "builtin:keys",
+            "--kwargs",
+            json.dumps({"doors": 3, "length": 4, "letters": "abcdef"}),
+            "--token-file",
+            str(tmp_path / "token"),
+            "--ready-file",
+            str(ready),
+            "--port",
+            "0",
+        ],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.05)
+        address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        sets = ("train.max_steps=3", "train.per_device_batch=32", "train.learning_rate=1e-3")
+        inside, remote = tmp_path / "inside", tmp_path / "remote"
+        p = train(inside, *sets, "env.servers=0")
+        assert p.returncode == 0, p.stdout + p.stderr
+        p = train(remote, *sets, f"env.address={address}", f"env.token_file={tmp_path / 'token'}")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "env:" not in p.stdout  # gpufleet started no server of its own
+        a, b = weights(inside), weights(remote)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        p = train(tmp_path / "bad", *sets, f"env.address={address}", f"env.token_file={tmp_path / 'wrong'}")
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "Traceback" not in p.stderr and "env.address" in p.stderr and "token" in p.stderr, p.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_users_env_that_raises_is_one_line_with_its_file_and_line(tmp_path):
+    """The installed command from the user's own folder, their env as file.py:Class next to the job."""
+    from helpers import run_user
+
+    (tmp_path / "my_env.py").write_text(
+        "class Flaky:\n"
+        "    def reset(self, *, seed):\n"
+        "        self.t = 0\n"
+        "        return 'go:', {}\n"
+        "    def step(self, action):\n"
+        "        self.t += 1\n"
+        "        if self.t == 2:\n"
+        "            raise KeyError('broken door')\n"
+        "        return '\\ngo:', 0.5, False, False, {}\n"
+    )
+    (tmp_path / "job.yaml").write_text(
+        "env: {name: 'my_env.py:Flaky', servers: 0, max_turns: 3, max_action_tokens: 2}\n"
+        "rollout: {max_prompt_length: 8}\ntrain: {per_device_batch: 16, max_steps: 2}\n"
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("train", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    assert "env.name" in p.stderr and "KeyError" in p.stderr and "my_env.py:8" in p.stderr, p.stderr

@@ -9,6 +9,7 @@ run, or servers someone else runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -68,6 +69,35 @@ def read_token(path: str | None) -> str:
             fix="put the token there",
         )
     return token
+
+
+@contextlib.contextmanager
+def env_errors(job):
+    """Failures of the environments or their servers during training as one-line `UserError`s: an
+    environment that raises or returns junk (its file:line), a server unreachable past the retry
+    window, a refused token, a non-deterministic replay."""
+    from gpufleet.env.base import EnvError
+    from gpufleet.env.wire import EnvServerError
+
+    cfg = job.env
+    try:
+        yield
+    except EnvError as e:
+        raise UserError(
+            f"the environment failed: {e}.",
+            field="env.name",
+            fix="fix the environment: reset(seed=) returns (observation, info) and step(action) returns "
+            "(observation, reward, terminated, truncated, info), text observations, never raising",
+        ) from None
+    except EnvServerError as e:
+        remote = bool(cfg.address)
+        raise UserError(
+            f"environment servers: {e}.",
+            field="env.address" if remote else "env.servers",
+            fix="check the servers at env.address are up and env.token_file holds their token"
+            if remote
+            else "see OUTPUT/logs/env-server-*.log; --set env.servers=0 runs the environments in the trainer",
+        ) from None
 
 
 def servers_file(run_dir: Path) -> Path:

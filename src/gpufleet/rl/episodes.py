@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpufleet.env.connect import env_errors
 from gpufleet.rl.parts import sample
 from gpufleet.rl.rollout import Rollout, left_pad
 
@@ -85,7 +86,12 @@ class Episodes:
 
 def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
     """Run this rank's episodes of generation batch `gen_index` (row j: group position row_pos, sampling
-    seed sample_seeds) to the end; see the module docstring."""
+    seed sample_seeds) to the end; see the module docstring. Environment failures are UserErrors."""
+    with env_errors(p.job):
+        return _play(p, rows, row_pos, sample_seeds, gen_index)
+
+
+def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
     cfg, tok = p.job.env, p.tokenizer
     eps = [
         _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
