@@ -332,3 +332,17 @@ def test_a_users_env_that_raises_is_one_line_with_its_file_and_line(tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
     assert "env.name" in p.stderr and "KeyError" in p.stderr and "my_env.py:8" in p.stderr, p.stderr
+
+
+def test_plan_counts_the_episode_and_check_weighs_servers_against_cores(capsys):
+    from helpers import run_cli
+
+    code, out = run_cli(capsys, ["plan", AGENT, "--gpus", "4x24GB", "--format", "json"])
+    plan = json.loads(out)["plan"]
+    assert code == 0 and plan["completion_tokens"] == 3 * (4 + 4)  # max_turns x (action + observation)
+    code, out = run_cli(
+        capsys, ["plan", AGENT, "--gpus", "4x24GB", "--format", "json", "--set", "env.max_turns=6"]
+    )
+    assert json.loads(out)["plan"]["completion_tokens"] == 48
+    code, out = run_cli(capsys, ["check", AGENT, "--gpus", "cpu", "--set", "env.servers=64"])
+    assert code == 0 and "warning: env.servers" in out and "fix: --set env.servers=" in out, out
