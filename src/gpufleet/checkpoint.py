@@ -281,6 +281,11 @@ BREAKING = (
     "algorithm.num_iterations",
     "reward.functions",
     "reward.model",
+    "model.use_peft",  # the checkpoint holds an adapter, or the whole model
+    "model.lora_r",
+    "model.lora_target_modules",
+    "env.name",
+    "env.kwargs",
 )
 
 
@@ -328,10 +333,18 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
 # ---------------------------------------------------------------------------------------- export
 
 
+def require_empty(to: Path) -> None:
+    """`--to` must be a new or empty folder: an export never writes over anything."""
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise UserError(f"{to} exists and is not empty.", field="--to", fix="give a new or empty folder")
+
+
 def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
     """Copy a checkpoint's (or the final) model folder to `to`: loadable by from_pretrained and vLLM."""
     if step is None:
-        src = run_dir / "final" if (run_dir / "final" / "config.json").is_file() else latest(run_dir)
+        final = run_dir / "final"
+        whole = (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
+        src = final if whole else latest(run_dir)
         if src is None:
             raise UserError(
                 f"{run_dir} holds no final model and no complete checkpoint.",
@@ -347,8 +360,7 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
                 field="--step",
                 fix="pick one of the complete steps",
             )
-    if to.exists() and any(to.iterdir()):
-        raise UserError(f"{to} exists and is not empty.", field="--to", fix="give a new or empty folder")
+    require_empty(to)
     to.mkdir(parents=True, exist_ok=True)
     skip = {"optimizer.pt", "trainer_state.json"}
     for f in src.iterdir():

@@ -4,7 +4,7 @@
     gpufleet config JOB [--set ...] [--format table|yaml|json] [--explain]   resolved job, source of each value
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
-    gpufleet export RUN_DIR --to DIR [--step N]            a checkpoint as a Hugging Face model folder
+    gpufleet export RUN_DIR --to DIR [--step N] [--merge]  a checkpoint as a Hugging Face model folder
     gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] [--scaling 1,2] -- CMD ...   anyone's script on N processes
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
@@ -107,6 +107,11 @@ def _run_verbs(sub) -> None:
         "--step", type=int, default=None, help="checkpoint step (default: the final model, else the newest)"
     )
     e.add_argument("--to", required=True, help="the folder to write (new or empty)")
+    e.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run (model.use_peft): write base + adapter merged into one model (default: the adapter)",
+    )
     la = job_verb(
         "launch",
         "run anyone's training script on N processes (torchrun), its batch and LR scaled from a reference "
@@ -185,7 +190,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -
     if args.verb == "export":
         from gpufleet.verbs.export import export_command
 
-        return export_command(args.run_dir, args.step, args.to)
+        return export_command(args.run_dir, args.step, args.to, merge=args.merge)
     if args.verb == "launch":
         from gpufleet.verbs.launch import launch_command
 

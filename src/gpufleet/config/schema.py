@@ -10,67 +10,21 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-
-def _split_list(value: Any) -> Any:
-    """Accept `0,1,2`, `[0, 1]` and a single scalar where a list is expected (env vars, flags)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text in ("auto", "colocate"):
-            return text
-        if text.startswith("[") and text.endswith("]"):
-            text = text[1:-1]
-        return [part.strip() for part in text.split(",") if part.strip()]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [value]
-    return value
-
-
-IdList = Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)]
-StrList = Annotated[list[str], BeforeValidator(_split_list)]
-FloatList = Annotated[list[float], BeforeValidator(_split_list)]
-DevicesOrAuto = Annotated[Literal["auto"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)]
-RolePlacement = Annotated[
-    Literal["auto", "colocate"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)
-]
-
-
-def _split_command(value: Any) -> Any:
-    """A command line as one string (split like a shell) or as a list of arguments."""
-    if isinstance(value, str):
-        import shlex
-
-        return shlex.split(value)
-    return value
-
-
-Command = Annotated[list[str], BeforeValidator(_split_command)]
-
-
-def _parse_mapping(value: Any) -> Any:
-    """A mapping given as text (a flag or env value): YAML flow style, `{doors: 3, letters: abcd}`."""
-    if isinstance(value, str):
-        import yaml
-
-        try:
-            return yaml.safe_load(value) if value.strip() else {}
-        except yaml.YAMLError:
-            return value
-    return value
-
-
-Mapping = Annotated[dict[str, Any], BeforeValidator(_parse_mapping)]
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, docstrings become descriptions."""
-
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False
-    )
+from gpufleet.config.env_section import EnvSection
+from gpufleet.config.types import (  # noqa: F401  (re-exported: other modules import them from here)
+    Command,
+    DevicesOrAuto,
+    FloatList,
+    IdList,
+    Mapping,
+    RolePlacement,
+    Section,
+    StrList,
+)
 
 
 class ModelSection(Section):
@@ -86,6 +40,26 @@ class ModelSection(Section):
 
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
+
+    use_peft: bool = False
+    """Train a LoRA adapter (peft) instead of every weight (TRL's name): the base model stays frozen,
+    gradients and AdamW state exist only for the adapter, and the KL reference is the base model with
+    the adapter switched off (no second copy). Checkpoints and `final/` hold the adapter;
+    `gpufleet export --merge` writes the merged model."""
+
+    lora_r: int = Field(16, ge=1)
+    """LoRA rank (TRL's default)."""
+
+    lora_alpha: int = Field(32, ge=1)
+    """LoRA scaling: the update is (lora_alpha / lora_r) x B A (TRL's default)."""
+
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the adapter's input (TRL's default). Its masks come from each rank's random stream, so
+    with dropout N ranks match 1 rank in distribution, not bit for bit (0: exactly)."""
+
+    lora_target_modules: StrList | None = None
+    """Modules that get an adapter: names (`q_proj,v_proj`) or `all-linear`. None: peft's default
+    for the architecture (q_proj and v_proj for Llama / Qwen / Mistral)."""
 
 
 class DataSection(Section):
@@ -166,63 +140,6 @@ class RolloutSection(Section):
 
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel degree of the rollout engine (vllm); must divide the attention and KV heads."""
-
-
-class EnvSection(Section):
-    """Multi-turn agent RL: the policy acts in an environment for several turns (`gpufleet train`).
-    Unset `name`: single-turn prompt -> completion from `data`."""
-
-    name: str | None = None
-    """The environment: `builtin:keys`, `gymnasium:<id>` (a Gymnasium env with a discrete action space,
-    e.g. `gymnasium:FrozenLake-v1`, through a text adapter), or your class as `module:Class` /
-    `path/to/file.py:Class` with `reset(seed=) -> (observation, info)` and `step(action) -> (observation,
-    reward, terminated, truncated, info)` over text. Each episode's reset seed comes from train.seed and
-    its group; the G episodes of a group share it. With an env, `data` is not read."""
-
-    kwargs: Mapping = Field(default_factory=dict)
-    """Keyword arguments for the environment's constructor (for gymnasium: those of `gymnasium.make`,
-    e.g. `{is_slippery: false}`)."""
-
-    servers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
-    """Environment server processes gpufleet starts for the run (127.0.0.1, a fresh token per run,
-    restarted if one dies): `auto` = one per policy device (VAGEN's layout), N, or 0 = the environments
-    run inside each trainer process (no server)."""
-
-    address: StrList | None = None
-    """Servers someone else runs, as `[host:port, ...]`: gpufleet starts none and spreads episodes over
-    these (`python -m gpufleet.env.server` serves any env). Needs env.token_file."""
-
-    token_file: str | None = None
-    """File holding the token the servers at env.address require (first line). Relative to the job
-    file's folder. gpufleet's own servers get a random token per run, in OUTPUT/env/token."""
-
-    max_turns: int = Field(8, ge=1)
-    """Policy turns per episode at most; an episode still running then is truncated."""
-
-    max_action_tokens: int = Field(16, ge=1)
-    """Tokens the policy writes per turn at most; a turn also ends at the tokenizer's EOS token."""
-
-    max_observation_tokens: int = Field(256, ge=1)
-    """Tokens kept of each observation (its first ones; longer observations are cut, counted in the
-    metric env/observation_cut_rate)."""
-
-    max_episode_tokens: int | None = Field(None, ge=1)
-    """Token budget of an episode after the first prompt (actions + observations): an episode that
-    would go past it is truncated. None: max_turns x (max_action_tokens + max_observation_tokens).
-    The trained sequence is rollout.max_prompt_length + this."""
-
-    instructions: str | None = None
-    """Text put before the first observation. None: the environment's own `instructions`."""
-
-    reward_weight: float = 1.0
-    """Weight of the environment's reward (the sum over the episode's turns) in the episode reward;
-    reward.functions (scored on the whole transcript) and their reward.weights add to it."""
-
-    def episode_tokens(self) -> int:
-        """The episode's token budget after the first prompt (the one place this is computed)."""
-        if self.max_episode_tokens is not None:
-            return self.max_episode_tokens
-        return self.max_turns * (self.max_action_tokens + self.max_observation_tokens)
 
 
 class TrainSection(Section):
@@ -398,8 +315,10 @@ class Job(BaseModel):
 
     def roles_used(self) -> dict[str, bool]:
         """Whether the reference and reward roles have anything to hold (the one place this is decided):
-        a reference model only when the KL term is on (beta > 0), a reward model only when one is named."""
-        return {"reference": self.algorithm.beta > 0, "reward": self.reward.model is not None}
+        a reference model only when the KL term is on (beta > 0) and the policy is not a LoRA adapter
+        (then the reference is the base model inside the policy), a reward model only when one is named."""
+        reference = self.algorithm.beta > 0 and not self.model.use_peft
+        return {"reference": reference, "reward": self.reward.model is not None}
 
     def completion_tokens(self) -> int:
         """Tokens after the prompt of one trained sequence: an episode's budget with an env, else

@@ -37,6 +37,24 @@ from gpufleet.plan.shape import Models
 from gpufleet.topology import Topology
 
 
+def adapter_parameters(job, arch) -> int | None:
+    """A LoRA run's adapter parameter count (None: every weight trains)."""
+    if not job.model.use_peft:
+        return None
+    from gpufleet.models.lora import trainable_parameters
+
+    config = {
+        "model_type": arch.model_type,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_layers,
+    }
+    return trainable_parameters(config, job.model)
+
+
 def micro_batch(r: Resolved) -> int:
     """The micro-batch the trainer runs: train.micro_batch within 1..per_device_batch."""
     t = r.job.train
@@ -44,8 +62,9 @@ def micro_batch(r: Resolved) -> int:
 
 
 def roles_in_use(r: Resolved) -> dict[str, bool]:
-    """Whether the job has a reference model (beta > 0) and a reward model."""
-    return {"reference": r.job.algorithm.beta > 0, "reward": r.job.reward.model is not None}
+    """Whether the job has a reference model and a reward model (`Job.roles_used`: a LoRA policy's
+    reference is its own base model, no role of its own)."""
+    return r.job.roles_used()
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,12 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     rows = t.per_device_batch * t.steps_per_generation
     fsdp = lay.strategy == "fsdp"
     state = train_state_bytes(
-        pol.params, prec, shards=lay.shards, ddp_buckets=lay.strategy == "ddp", fused_adamw=not fsdp
+        pol.params,
+        prec,
+        shards=lay.shards,
+        ddp_buckets=lay.strategy == "ddp",
+        fused_adamw=not fsdp,
+        adapter=adapter_parameters(job, pol.arch),
     )
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
     copies = fast_decode_copies(pol.arch, prec, wrapped=fsdp)

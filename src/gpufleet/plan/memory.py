@@ -123,23 +123,29 @@ def train_state_bytes(
     shards: int = 1,
     ddp_buckets: bool = False,
     fused_adamw: bool = True,
+    adapter: int | None = None,
 ) -> dict[str, int]:
     """Weights, gradients and AdamW states of one policy rank (see the module docstring).
 
     `shards`: the FSDP degree (1 for DDP / one process). `ddp_buckets`: DDP's gradient buckets.
     `fused_adamw`: `rl/optim.py` uses the fused AdamW kernel (in place, no temporary) for plain
     parameters; FSDP2's DTensors take the foreach path, whose step allocates one shard-sized temporary.
+    `adapter`: a LoRA run's adapter parameters (models/lora.py): the base weights are frozen, so
+    gradients, AdamW states and DDP's buckets exist for the adapter alone (weights: base + adapter).
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     local = math.ceil(params.total / shards)
+    trained = local if adapter is None else math.ceil(adapter / shards)
     b = precision.weight_bytes
     return {
-        "weights": local * b,
-        "grads": local * b,
-        "optimizer": 2 * local * b,
-        "ddp_buckets": params.total * b if ddp_buckets and shards == 1 else 0,
-        "optimizer_step": 0 if fused_adamw else local * b,
+        "weights": (local + (0 if adapter is None else trained)) * b,
+        "grads": trained * b,
+        "optimizer": 2 * trained * b,
+        "ddp_buckets": (params.total if adapter is None else adapter) * b
+        if ddp_buckets and shards == 1
+        else 0,
+        "optimizer_step": 0 if fused_adamw else trained * b,
     }
 
 

@@ -50,7 +50,13 @@ def build(
     hf_logging.disable_progress_bar()
     torch.manual_seed(job.train.seed)
     tokenizer = load_tokenizer(job.model.path)
-    policy = load_causal_lm(str(weights or job.model.path), dtype=model_dtype(job), device=str(rt.device))
+    peft = job.model.use_peft  # LoRA: the base from model.path, the adapter from the checkpoint
+    base = job.model.path if peft else str(weights or job.model.path)
+    policy = load_causal_lm(base, dtype=model_dtype(job), device=str(rt.device))
+    if peft:
+        from gpufleet.models import lora
+
+        policy = lora.apply(policy, job.model, adapter=weights)
     if job.model.gradient_checkpointing:
         # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
         policy.activation_checkpointing_enable({"use_reentrant": False})

@@ -143,6 +143,9 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
         batch.old_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
     if p.reference is not None:
         batch.ref_logprobs = logprobs_of(p.reference, batch, ro.temperature, micro, autocast)
+    elif p.job.algorithm.beta > 0 and p.job.model.use_peft:  # LoRA: the base model is the reference
+        with p.policy.disable_adapter():
+            batch.ref_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
     elif "ref_logprobs" in remote:
         batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
 

@@ -2,7 +2,7 @@
 
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
 resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
-env.py those of an env job (multi-turn agent RL).
+env.py those of an env job (multi-turn agent RL); lora.py those of a LoRA job.
 Importing this package registers them all, in that order.
 """
 
@@ -12,6 +12,7 @@ from gpufleet.rules import job  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
 from gpufleet.rules import env  # noqa: F401
+from gpufleet.rules import lora  # noqa: F401
 
 # isort: on
 from gpufleet.rules.registry import Context, run_checks

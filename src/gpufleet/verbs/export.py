@@ -1,14 +1,38 @@
-"""`gpufleet export RUN_DIR [--step N] --to DIR`: a model folder that from_pretrained (and vLLM) load."""
+"""`gpufleet export RUN_DIR [--step N] --to DIR [--merge]`: a model folder that from_pretrained (and vLLM)
+load; for a LoRA run the adapter folder (PeftModel.from_pretrained), or with --merge base + adapter as
+one model."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
-from gpufleet.checkpoint import export
+from gpufleet.checkpoint import export, require_empty
+from gpufleet.errors import UserError
+from gpufleet.models import lora
 
 
-def export_command(run_dir: str, step: int | None, to: str) -> int:
-    src = export(Path(run_dir).expanduser(), Path(to).expanduser(), step)
-    print(f"exported {src} -> {to}")
+def export_command(run_dir: str, step: int | None, to: str, merge: bool = False) -> int:
+    dest = Path(to).expanduser()
+    if not merge:
+        src = export(Path(run_dir).expanduser(), dest, step)
+        print(f"exported {src} -> {to}")
+        if lora.is_adapter(dest):
+            print(f"  a LoRA adapter: PeftModel.from_pretrained(base, {to!r}); --merge writes one model")
+        else:
+            print(f"  load it with: AutoModelForCausalLM.from_pretrained({to!r})")
+        return 0
+    require_empty(dest)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-export-") as tmp:
+        adapter = Path(tmp) / "adapter"
+        src = export(Path(run_dir).expanduser(), adapter, step)
+        if not lora.is_adapter(adapter):
+            raise UserError(
+                f"{src} holds a whole model, not a LoRA adapter: there is nothing to merge.",
+                field="--merge",
+                fix="drop --merge",
+            )
+        lora.merged(adapter, lora.base_of(adapter), dest)
+    print(f"exported {src} merged with its base -> {to}")
     print(f"  load it with: AutoModelForCausalLM.from_pretrained({to!r})")
     return 0

@@ -189,7 +189,10 @@ def _results(out: Path, jb) -> None:
         return
     last = _last_metrics(out)
     print(f"done: reward {last.get('reward', float('nan')):.3f} at step {int(last.get('step', 0))}")
-    print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
+    if jb.model.use_peft:
+        print(f"  adapter: {out / 'final'}  (LoRA; gpufleet export {out} --to DIR --merge writes one model)")
+    else:
+        print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
     print(f"  metrics: {out / 'metrics.jsonl'}")
     print(f"  samples: {out / 'samples.jsonl'}")
 

@@ -1,0 +1,125 @@
+"""LoRA through peft (`model.use_peft`): put an adapter on the policy, load one from a checkpoint, merge.
+
+The base model stays frozen; only the adapter's A and B matrices train (gradients and AdamW state for
+them alone). The KL reference is the same model with the adapter switched off (`reference_logprobs`
+in rl/step.py uses `disable_adapter()`), so no second copy of the weights exists. A checkpoint, and the
+run's `final/`, is peft's adapter folder (adapter_config.json + adapter_model.safetensors + the
+tokenizer); `merged` writes base + adapter as one ordinary model folder for from_pretrained and vLLM.
+
+`trainable_parameters` counts the adapter from config.json alone (no torch) for the planner; a test
+holds it equal to peft's own count on the real model. torch / peft are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpufleet.errors import UserError
+
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    t: ("q_proj", "v_proj") for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3")
+}
+"""peft's default target modules for the architectures gpufleet plans (its
+TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); other types need model.lora_target_modules."""
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def targets(model_section, model_type: str | None) -> list[str] | str:
+    """The modules that get an adapter: the job's, else peft's default for the architecture."""
+    given = model_section.lora_target_modules
+    if given:
+        return "all-linear" if list(given) == ["all-linear"] else list(given)
+    if model_type in DEFAULT_TARGETS:
+        return list(DEFAULT_TARGETS[model_type])
+    raise UserError(
+        f"model.use_peft: peft has no default LoRA target modules for model_type {model_type!r}.",
+        field="model.lora_target_modules",
+        fix="--set model.lora_target_modules=all-linear (or the names of the projections to adapt)",
+    )
+
+
+def apply(model, model_section, adapter: Path | None = None):
+    """`model` with a fresh LoRA adapter (the job's settings), or with the adapter saved in `adapter`
+    (a checkpoint: resume continues from its exact weights), trainable."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    m = model_section
+    config = LoraConfig(
+        r=m.lora_r,
+        lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout,
+        target_modules=targets(m, getattr(model.config, "model_type", None)),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def is_adapter(folder: Path) -> bool:
+    return (folder / ADAPTER_CONFIG).is_file()
+
+
+def base_of(adapter: Path) -> str:
+    """The base model an adapter folder was trained on (its adapter_config.json)."""
+    import json
+
+    base = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise UserError(
+            f"{adapter / ADAPTER_CONFIG} does not name its base model.",
+            field="--merge",
+            fix="merge by hand: PeftModel.from_pretrained(base, adapter).merge_and_unload()",
+        )
+    return base
+
+
+def merged(adapter: Path, base: str, to: Path) -> None:
+    """Base model + the adapter in `adapter`, merged, saved to `to` (with the tokenizer)."""
+    from peft import PeftModel
+
+    from gpufleet.models.load import load_causal_lm, load_tokenizer
+
+    model = PeftModel.from_pretrained(load_causal_lm(base), str(adapter)).merge_and_unload()
+    model.save_pretrained(to, safe_serialization=True)
+    load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base).save_pretrained(
+        to
+    )
+
+
+def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one decoder layer of a Llama-family config."""
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    inter = config["intermediate_size"]
+    return {
+        "q_proj": (h, heads * d),
+        "k_proj": (h, kv * d),
+        "v_proj": (h, kv * d),
+        "o_proj": (heads * d, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+
+
+def trainable_parameters(config: dict[str, Any], model_section) -> int:
+    """The adapter's parameter count: r x (in + out) per adapted projection per layer (all-linear: every
+    projection of the decoder layers; peft leaves the output head alone)."""
+    shapes = linear_shapes(config)
+    chosen = targets(model_section, config.get("model_type"))
+    names = list(shapes) if chosen == "all-linear" else [n for n in chosen if n in shapes]
+    unknown = [] if chosen == "all-linear" else [n for n in chosen if n not in shapes]
+    if unknown:
+        raise UserError(
+            f"model.lora_target_modules names {', '.join(unknown)}, not a projection of a decoder layer "
+            f"({', '.join(shapes)}).",
+            field="model.lora_target_modules",
+            fix="use those names, or all-linear",
+        )
+    per_layer = sum(model_section.lora_r * (shapes[n][0] + shapes[n][1]) for n in names)
+    return per_layer * config["num_hidden_layers"]
