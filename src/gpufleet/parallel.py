@@ -21,7 +21,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def wrap_policy(policy: torch.nn.Module, strategy: str, rt: Runtime) -> torch.nn.Module:
+def wrap_policy(
+    policy: torch.nn.Module, strategy: str, rt: Runtime, param_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """DDP or FSDP2 over the policy group. `param_dtype` (FSDP): mixed precision, parameters gathered in
+    that dtype and resharded after use, gradients reduced in float32 into the fp32 sharded master weights."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -29,12 +33,16 @@ def wrap_policy(policy: torch.nn.Module, strategy: str, rt: Runtime) -> torch.nn
         return DistributedDataParallel(policy, device_ids=ids, process_group=rt.policy_group)
     if strategy == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(rt.policy_group, rt.device.type)
+        mp = (
+            MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+        )
+        kw = {"mp_policy": mp} if mp is not None else {}
         for layer in decoder_layers(policy):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(policy, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(policy, mesh=mesh, **kw)
         return policy
     raise ValueError(f"unknown placement.strategy {strategy!r}")
 

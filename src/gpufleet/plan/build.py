@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpufleet.config import precision
 from gpufleet.config.load import Resolved
 from gpufleet.hardware import Hardware
 from gpufleet.plan.inference import (
@@ -118,7 +119,7 @@ class Parts:
 def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
     job, pol = r.job, models.policy
     t, P, T = job.train, job.rollout.max_prompt_length, job.completion_tokens()
-    prec = training_precision(job.model.dtype, t.precision)
+    prec = training_precision(precision.weights_dtype(job), t.precision)
     micro = micro_batch(r)
     rows = t.per_device_batch * t.steps_per_generation
     fsdp = lay.strategy == "fsdp"
@@ -130,28 +131,33 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         fused_adamw=not fsdp,
         adapter=adapter_parameters(job, pol.arch),
     )
+    # FSDP2 mixed precision (config/precision.py): the forward sees compute-dtype parameters, as a model
+    # of that dtype would (no autocast copies); the gathered units are in the compute dtype too.
+    mixed = precision.fsdp_mixed(job, lay.shards)
+    run = Precision(prec.compute, prec.compute) if mixed else prec
+    ref = Precision(precision.reference_dtype(job), precision.reference_dtype(job))
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
-    copies = fast_decode_copies(pol.arch, prec, wrapped=fsdp)
+    copies = fast_decode_copies(pol.arch, run, wrapped=fsdp)
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
     rm_weights, rm_work = _reward_model_parts(models, rows, P + T)
-    per_layer = pol.params.per_layer * prec.weight_bytes
+    gathered = run.compute_bytes if mixed else prec.weight_bytes
     return Parts(
         state=state,
         acts=train_activations(
-            pol.arch, pol.params, prec, checkpointing=job.model.gradient_checkpointing, **sizes
+            pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
         ),
         roll=rollout_bytes(
-            pol.arch, prec, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
+            pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
         ),
-        ref_weights=pol.params.total * prec.weight_bytes,  # loaded like the policy (trainer.model_dtype)
-        ref_scoring=logprob_scoring_bytes(pol.arch, pol.params, prec, cached_weight_copies=False, **sizes),
-        old_scoring=logprob_scoring_bytes(pol.arch, pol.params, prec, cached_weight_copies=True, **sizes)
+        ref_weights=pol.params.total * ref.weight_bytes,  # frozen: the compute dtype (reference_dtype)
+        ref_scoring=logprob_scoring_bytes(pol.arch, pol.params, ref, cached_weight_copies=False, **sizes),
+        old_scoring=logprob_scoring_bytes(pol.arch, pol.params, run, cached_weight_copies=True, **sizes)
         if several_steps
         else 0,
         rm_weights=rm_weights,
         rm_work=rm_work,
         batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
-        gather=pol.params.root * prec.weight_bytes + 3 * per_layer if fsdp else 0,
+        gather=(pol.params.root + 3 * pol.params.per_layer) * gathered if fsdp else 0,
         overhead=overhead_bytes(env, gpu=not hw.is_cpu),
         optimizer_step=0 if hw.is_cpu else state["optimizer_step"],
     )
@@ -278,7 +284,7 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         strategy=lay.strategy,
         shards=lay.shards,
         checkpointing=job.model.gradient_checkpointing,
-        precision=training_precision(job.model.dtype, t.precision),
+        precision=training_precision(precision.weights_dtype(job), t.precision),
         per_device_batch=t.per_device_batch,
         micro_batch=micro_batch(r),
         rollout_rows=t.per_device_batch * t.steps_per_generation,

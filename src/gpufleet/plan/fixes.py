@@ -177,6 +177,14 @@ def find_fixes(
     if f.topo.policy_ranks > 1 and r.job.placement.strategy != "fsdp":
         f.first("FSDP over the same GPUs", saver_options(r, (Change("placement.strategy", "fsdp"),)))
     _more_gpus_fix(f)
+    multi = f.topo.policy_ranks > 1
+    if r.job.train.precision == "fp32" and not hw.is_cpu:  # bf16 compute; FSDP: bf16 gathered parameters
+        f.first("bf16 mixed precision", saver_options(r, (Change("train.precision", "bf16"),), fsdp=multi))
+    if not r.job.model.use_peft:  # a different optimisation: the base frozen, an adapter trained
+        lora = (Change("model.use_peft", True),)
+        if r.job.train.precision == "fp32" and not hw.is_cpu:
+            lora += (Change("train.precision", "bf16"),)
+        f.first("LoRA adapter (peft; the base model frozen)", saver_options(r, lora, fsdp=multi))
     f.fewer_tokens()
     f.fewer_completions()
     return f.found[:limit]

@@ -102,7 +102,8 @@ class Precision:
 def training_precision(model_dtype: str, train_precision: str) -> Precision:
     """The policy's dtypes as our trainer sets them up (`gpufleet.rl.precision.model_dtype` and `autocast_for`).
 
-    `model.dtype: auto` -> float32 weights (master weights); `train.precision: bf16|fp16` -> autocast.
+    `model_dtype`: config/precision.py `weights_dtype` (auto -> float32 master weights; a LoRA base in the
+    compute dtype); `train.precision: bf16|fp16` -> autocast.
     """
     weights = "float32" if model_dtype == "auto" else model_dtype
     compute = {"fp32": weights, "bf16": "bfloat16", "fp16": "float16"}.get(train_precision)
@@ -131,7 +132,8 @@ def train_state_bytes(
     `fused_adamw`: `rl/optim.py` uses the fused AdamW kernel (in place, no temporary) for plain
     parameters; FSDP2's DTensors take the foreach path, whose step allocates one shard-sized temporary.
     `adapter`: a LoRA run's adapter parameters (models/lora.py): the base weights are frozen, so
-    gradients, AdamW states and DDP's buckets exist for the adapter alone (weights: base + adapter).
+    gradients, AdamW states and DDP's buckets exist for the adapter alone (weights: base + adapter); the
+    adapter is float32 whatever the base's dtype (peft's autocast_adapter_dtype).
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")

@@ -11,7 +11,7 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.losses import Loss
-from gpufleet.rl.precision import model_dtype
+from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype
 from gpufleet.rl.rewards import Rewards
 from gpufleet.rl.rollout import Rollout, generate
 
@@ -64,10 +64,10 @@ def build(
     if rt.distributed and rt.policy_size > 1:
         from gpufleet.parallel import wrap_policy
 
-        train_model = wrap_policy(policy, job.placement.strategy, rt)
+        train_model = wrap_policy(policy, job.placement.strategy, rt, fsdp_param_dtype(job, rt.policy_size))
     reference = None
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
-        reference = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device)).eval()
+        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
     env = source = None
     if job.env.name:

@@ -36,14 +36,14 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     """The scorer's loop: answer every policy rank until all of them say stop."""
     from gpufleet.models import load_causal_lm
     from gpufleet.rl.batch import GenerationBatch, logprobs_of
-    from gpufleet.rl.precision import autocast_for, model_dtype
+    from gpufleet.rl.precision import autocast_for, reference_dtype
     from gpufleet.rl.rewards import RewardModel
 
     _, roles, group = rt.scorers[0]
     used = job.roles_used()
     reference = None
     if "reference" in roles and used["reference"]:
-        reference = load_causal_lm(job.model.path, dtype=model_dtype(job), device=str(rt.device)).eval()
+        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
     reward_model = RewardModel(job.reward.model, rt.device) if "reward" in roles and used["reward"] else None
     autocast = autocast_for(job, rt.device)

@@ -42,7 +42,7 @@ def train(
     t, o = job.train, job.output
     p = build(job, rt, weights=resume_from, run_dir=out_dir)
     opt, sched = build_optimizer(p.train_model.parameters(), t)
-    autocast = autocast_for(job, rt.device)
+    autocast = autocast_for(job, rt.device, rt.policy_size)
     reuse = reuse_count(job)
     start, scored = 0, None
     if resume_from is not None:
