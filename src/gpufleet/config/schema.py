@@ -180,7 +180,8 @@ class TrainSection(Section):
     """Seed for initialisation, data order and sampling (sampling is seeded per prompt, not per rank)."""
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision: fp32, or bf16/fp16 autocast with fp32 master weights."""
+    """Compute precision: fp32, or bf16/fp16 with fp32 master weights (autocast; under FSDP over several
+    ranks, FSDP2 mixed precision: parameters gathered in bf16/fp16, gradients reduced in fp32)."""
 
     log_every: int = Field(1, ge=1)
     """Print a progress line every this many steps (metrics.jsonl always gets every step)."""
