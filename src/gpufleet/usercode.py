@@ -120,7 +120,8 @@ def import_object(
     fn = getattr(module, attr)
     if not callable(fn):
         raise err(
-            f"{attr!r} in {where} is not callable (it is of type {type(fn).__name__})", f"name a {what}"
+            f"{attr!r} in {where} is not {'a function' if form == 'function' else 'callable'} (it is of type {type(fn).__name__})",
+            f"name a {what}",
         )
     return fn
 
