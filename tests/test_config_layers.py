@@ -119,6 +119,7 @@ def test_every_field_documented():
         "reward",
         "algorithm",
         "rollout",
+        "env",
         "train",
         "placement",
         "launch",
