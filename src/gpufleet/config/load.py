@@ -135,7 +135,8 @@ def _validate_section(name, cls, candidates, problems):
 
 def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict]) -> Problem:
     """A rejected value: say what the field accepts, with the nearest choice when it is a typo."""
-    msg = " or ".join(dict.fromkeys(str(e.get("msg", "invalid value")).rstrip(".") for e in errors))
+    said = (str(e.get("msg", "invalid value")).rstrip(".") for e in errors)
+    msg = " or ".join(dict.fromkeys(m.replace("Value error, ", "not ", 1) for m in said))
     annotation = str(info.annotation)
     choices = _literal_choices(info.annotation)
     # What the non-choice part of the type accepts ("a whole number", "a value greater than 0", ...).
@@ -157,6 +158,8 @@ def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict])
 
 
 def _expected(annotation: str, msg: str) -> str:
+    if msg.startswith("Value error, "):  # a validator of ours: its message says what the field takes
+        return msg.removeprefix("Value error, ").rstrip(".")
     if "greater than" in msg or "less than" in msg:
         return "a value " + msg.split("Input should be ", 1)[-1].rstrip(".")
     if "list" in annotation:

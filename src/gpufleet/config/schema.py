@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 
 def _split_list(value: Any) -> Any:
@@ -63,6 +63,18 @@ def _parse_mapping(value: Any) -> Any:
 
 
 Mapping = Annotated[dict[str, Any], BeforeValidator(_parse_mapping)]
+
+
+def _size(value: str) -> str:
+    """A memory size as `--gpus` reads it (`20GB`, `512MiB`; GB means GiB)."""
+    from gpufleet.hardware import parse_size
+
+    if parse_size(value) is None:
+        raise ValueError("a size such as 20GB or 512MB")
+    return value
+
+
+Size = Annotated[str, AfterValidator(_size)]
 
 
 class Section(BaseModel):
@@ -372,6 +384,11 @@ class ScriptSection(Section):
     lr_rule: Literal["none", "linear", "sqrt"] = "none"
     """How the learning rate follows the effective batch: unchanged, x ratio (Goyal et al.), or
     x sqrt(ratio) (Adam-style). With keep_effective_batch the ratio is 1 and this changes nothing."""
+
+    memory_per_device: Size | None = None
+    """GPU memory one rank needs at its peak (`20GB`; GB means GiB, as in --gpus), checked against each
+    chosen GPU's free memory (NVML) — or its size, for a --gpus what-if — before anything starts.
+    None: not checked."""
 
     progress_regex: str = r"gpufleet-progress samples=(\d+)"
     """A line of rank 0's output that reports progress (for `launch --scaling`): a regular expression whose

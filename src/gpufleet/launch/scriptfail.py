@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.launch.diagnose import records
-from gpufleet.launch.recipe import Recipe
+from gpufleet.launch.recipe import Recipe, halved
 
 
 @dataclass
@@ -36,13 +36,12 @@ def first_ended(logs: Path) -> Ended | None:
 def _oom(e: Ended, ref: Recipe, now: Recipe) -> str | None:
     if not re.search(r"CUDA out of memory|OutOfMemoryError|HIP out of memory", e.text):
         return None
-    if now.per_device_batch and now.per_device_batch > 1 and ref.effective_batch:
-        pdb = now.per_device_batch // 2  # a reference recipe that scales to half the per-device batch
-        acc = max(1, ref.effective_batch // (pdb * ref.devices))
+    smaller = halved(ref, now)
+    if smaller:
         return (
-            f"out of GPU memory at per-device batch {now.per_device_batch}. Fix: --set script.per_device_batch="
-            f"{pdb} --set script.gradient_accumulation_steps={acc} (per-device batch {pdb}, the effective "
-            f"batch stays {ref.effective_batch}), or turn on gradient checkpointing in the script"
+            f"out of GPU memory at per-device batch {now.per_device_batch}. Fix: {smaller} (per-device batch "
+            f"{now.per_device_batch // 2}, the effective batch stays {ref.effective_batch}), or turn on gradient "
+            "checkpointing in the script"
         )
     return (
         "out of GPU memory. Fix: a smaller batch or sequence length, or gradient checkpointing in the script"
