@@ -311,13 +311,15 @@ class LaunchSection(Section):
     """Processes per node. `auto`: one per placed device (policy ranks + scorer ranks)."""
 
     nnodes: int = Field(1, ge=1)
-    """Number of nodes."""
+    """Number of nodes. Inside a multi-node `srun` step: Slurm's node count (source `slurm`)."""
 
     node_rank: int = Field(0, ge=0)
-    """This node's rank, 0 .. nnodes-1 (Slurm: $SLURM_NODEID)."""
+    """This node's rank, 0 .. nnodes-1. Inside a multi-node `srun` step: this host's place in the step's
+    node list (SLURMD_NODENAME), else $SLURM_NODEID."""
 
     rdzv_endpoint: str | None = None
-    """host:port of the c10d rendezvous for multi-node jobs (usually node 0's address)."""
+    """host:port of the c10d rendezvous for multi-node jobs (usually node 0's address). Inside a multi-node
+    `srun` step: the node list's first host, port $MASTER_PORT or 29400 + job id % 1000."""
 
     master_addr: str = "127.0.0.1"
     """Address of rank 0 for single-node jobs."""

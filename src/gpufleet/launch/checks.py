@@ -58,7 +58,8 @@ def findings(argv: list[str], per_node: int, hw: Hardware, r: Resolved, dry_run:
                 "Fix: docker --shm-size=8g, or num_workers=0",
             )
         )
-    return out + [(p.severity, _line(p)) for p in _devices(per_node, hw, r)]
+    said = [p for p in r.problems if p.severity == "warning"]  # e.g. a Slurm allocation used outside srun
+    return out + [(p.severity, _line(p)) for p in said + _devices(per_node, hw, r)]
 
 
 def _devices(per_node: int, hw: Hardware, r: Resolved) -> list[Problem]:

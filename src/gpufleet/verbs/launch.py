@@ -57,7 +57,7 @@ def launch_command(
     argv = recipe.fill(cmd, values)
     problems = findings(argv, per_node, hw, r, dry_run)
     extra, p2p_note = p2p_env(hw, range(per_node) if not hw.is_cpu else (), env)
-    _header(argv, per_node, hw, jb, now)
+    _header(argv, per_node, hw, r, now)
     for level, text in problems:
         print(f"{level}: {text}", file=sys.stderr if level == "error" else sys.stdout)
     if any(level == "error" for level, _ in problems):
@@ -75,10 +75,16 @@ def launch_command(
     return _run(jb, argv, per_node, values, out, env, now)
 
 
-def _header(argv: list[str], per_node: int, hw: Hardware, jb, now: recipe.Recipe) -> None:
-    """The command as it will run, the world, and the recipe table (reference vs now)."""
+def _header(argv: list[str], per_node: int, hw: Hardware, r, now: recipe.Recipe) -> None:
+    """The command as it will run, the world (and where the nodes meet), and the recipe table."""
+    jb = r.job
     print(f"gpufleet launch: {shlex.join(argv)}")
     print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
+    if jb.launch.nnodes > 1:
+        la = jb.launch
+        print(
+            f"  node {la.node_rank} of {la.nnodes}; rendezvous {la.rdzv_endpoint} ({r.source('launch.rdzv_endpoint')})"
+        )
     if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
         print(f"  recipe ({jb.script.batch_rule}, lr {jb.script.lr_rule}):")
         print(recipe.table(recipe.reference(jb.script), now))
