@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_user
-from test_launch_script import folder
+from test_launch_script import folder, launch_broken
 
 # NCCL's WARN line and torch's error on two GeForce cards without peer-to-peer: the WARN line as NCCL
 # printed it in ray-project/ray_lightning#24; torch 2.x's DistBackendError text as in NVIDIA/nccl#1410.
@@ -63,20 +62,7 @@ os.abort()
 
 
 def launch(tmp_path, script: str):
-    home = folder(tmp_path, broken=script)
-    return run_user(
-        "launch",
-        "job.yaml",
-        "--gpus",
-        "cpu",
-        "--nproc",
-        "2",
-        "--",
-        "python",
-        "broken.py",
-        cwd=home,
-        timeout=180,
-    )
+    return launch_broken(folder(tmp_path, broken=script))
 
 
 @pytest.mark.slow
