@@ -148,6 +148,12 @@ CAUSES = {
 }
 
 
+def launch_broken(home: Path, env: dict[str, str] | None = None):
+    """`gpufleet launch job.yaml --gpus cpu --nproc 2 -- python broken.py` from the user's folder."""
+    argv = ["launch", "job.yaml", "--gpus", "cpu", "--nproc", "2", "--", "python", "broken.py"]
+    return run_user(*argv, cwd=home, env_extra=env, timeout=180)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cause", sorted(CAUSES))
 def test_each_failure_is_named_with_its_fix(tmp_path, cause):
@@ -158,21 +164,7 @@ def test_each_failure_is_named_with_its_fix(tmp_path, cause):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        env = {"HELD_PORT": str(held.getsockname()[1])}
-        p = run_user(
-            "launch",
-            "job.yaml",
-            "--gpus",
-            "cpu",
-            "--nproc",
-            "2",
-            "--",
-            "python",
-            "broken.py",
-            cwd=home,
-            env_extra=env,
-            timeout=180,
-        )
+        p = launch_broken(home, {"HELD_PORT": str(held.getsockname()[1])})
     assert p.returncode == 1, p.stdout + p.stderr
     assert expected in p.stderr, p.stderr
     assert (

@@ -86,7 +86,9 @@ def test_note001_three_gpu_json(capsys):
     n = data["plan"]["model"]["parameters"]
     c = devices["0"]["components_bytes"]
     assert c["weights"] == 4 * n and c["grads"] == 8 * n and c["optimizer"] == 8 * n
-    assert devices["2"]["components_bytes"]["weights"] == 2 * n  # the frozen reference in the compute dtype (bf16)
+    assert (
+        devices["2"]["components_bytes"]["weights"] == 2 * n
+    )  # the frozen reference in the compute dtype (bf16)
 
 
 def test_note001_two_gpu_layout_refused_then_fixed(capsys):

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from gpufleet.devicestate import GpuProcess, Link, links, processes, query
 from gpufleet.errors import UserError
 
 GiB = 1024**3
@@ -69,10 +70,17 @@ class Device:
     compute_capability: float | None = None
     physical: str | None = None
     """The physical id (NVML index or UUID) when CUDA_VISIBLE_DEVICES renumbers."""
+    processes: tuple[GpuProcess, ...] = ()
+    """Compute processes already on it (detected devices; none for a what-if spec)."""
 
     @property
     def total_gib(self) -> float:
         return self.total_bytes / GiB
+
+    @property
+    def visible_id(self) -> str:
+        """The id that names this device in CUDA_VISIBLE_DEVICES."""
+        return self.physical if self.physical is not None else str(self.index)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class Hardware:
     """`detected`, `spec <text>` or `cpu`."""
     cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
     ram_bytes: int = 0
+    links: tuple[Link, ...] = ()
+    """P2P between every pair of detected devices (none for a what-if spec: unknown)."""
 
     @property
     def is_cpu(self) -> bool:
@@ -92,6 +102,13 @@ class Hardware:
     @property
     def is_detected(self) -> bool:
         return self.origin in ("detected", "cpu")
+
+    def free_as_total(self) -> Hardware:
+        """The same devices with only their free memory (what a run could use now), where NVML said."""
+        devs = tuple(
+            replace(d, total_bytes=d.free_bytes) if d.free_bytes is not None else d for d in self.devices
+        )
+        return replace(self, devices=devs)
 
     def describe(self) -> str:
         if self.is_cpu:
@@ -118,7 +135,8 @@ _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(g|gb|gib|m|mb|mib|t|tb|tib)$", re.I)
 _UNIT = {"g": GiB, "m": 1024**2, "t": 1024**4}
 
 
-def _parse_size(text: str) -> int | None:
+def parse_size(text: str) -> int | None:
+    """`24GB` / `512MiB` / `1.5T` -> bytes (G, GB and GiB all mean GiB, as --gpus reads them); None if not a size."""
     m = _SIZE.match(text.strip())
     if not m:
         return None
@@ -128,13 +146,13 @@ def _parse_size(text: str) -> int | None:
 def _parse_device_kind(text: str, index: int, spec: str) -> Device:
     """`24GB`, `A100`, `A100-80GB`, `RTX-4090-24GB` -> a Device (raises UserError)."""
     raw = text.strip()
-    size = _parse_size(raw)
+    size = parse_size(raw)
     if size is not None:
         return Device(index, f"{raw.upper()} GPU", size)
     model_part, mem = raw, None
     m = re.match(r"^(.*?)[-_ ]?(\d+(?:\.\d+)?\s*(?:gb|gib|g))$", raw, re.I)
     if m and m.group(1):
-        model_part, mem = m.group(1), _parse_size(m.group(2))
+        model_part, mem = m.group(1), parse_size(m.group(2))
     key = (
         re.sub(r"[^A-Z0-9]", "", model_part.upper())
         .removeprefix("NVIDIA")
@@ -245,42 +263,42 @@ def detect(env: Mapping[str, str] | None = None, nvml=None) -> Hardware:
     try:
         count = nvml.nvmlDeviceGetCount()
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        uuids = [_query(nvml.nvmlDeviceGetUUID, h, "") for h in handles]
+        uuids = [query(nvml.nvmlDeviceGetUUID, h, fallback="") for h in handles]
         order = visible_order(env, count, uuids)
         physical = list(range(count)) if order is None else order
-        devices = []
-        for logical, phys in enumerate(physical):
-            h = handles[phys]
-            name = _query(nvml.nvmlDeviceGetName, h, "GPU")
-            mem = _query(nvml.nvmlDeviceGetMemoryInfo, h, None)
-            cc = _query(nvml.nvmlDeviceGetCudaComputeCapability, h, None)
-            capability = float(f"{cc[0]}.{cc[1]}") if cc else None
-            devices.append(
-                Device(
-                    index=logical,
-                    name=name.decode() if isinstance(name, bytes) else str(name),
-                    total_bytes=int(mem.total) if mem is not None else 0,
-                    free_bytes=int(mem.free) if mem is not None else None,
-                    bf16=None if capability is None else capability >= 8.0,
-                    compute_capability=capability,
-                    physical=str(phys) if order is not None else None,
-                )
-            )
+        devices = [
+            _device(nvml, handles[phys], i, phys, order is not None) for i, phys in enumerate(physical)
+        ]
+        pairs = links(nvml, [handles[phys] for phys in physical])
     finally:
         nvml.nvmlShutdown()
     if not devices:
         return cpu_hardware()
     return Hardware(
-        devices=tuple(devices), origin="detected", cpu_count=os.cpu_count() or 1, ram_bytes=_ram_bytes()
+        devices=tuple(devices),
+        origin="detected",
+        cpu_count=os.cpu_count() or 1,
+        ram_bytes=_ram_bytes(),
+        links=pairs,
     )
 
 
-def _query(fn, handle, fallback):
-    """One NVML query; a failing query (NVMLError_NotSupported, ...) yields `fallback`."""
-    try:
-        return fn(handle)
-    except Exception:  # per-query NVML errors: report what is known, leave the rest unknown
-        return fallback
+def _device(nvml, h, logical: int, phys: int, renumbered: bool) -> Device:
+    """One detected device: what NVML answers, unknown where it does not."""
+    name = query(nvml.nvmlDeviceGetName, h, fallback="GPU")
+    mem = query(nvml.nvmlDeviceGetMemoryInfo, h)
+    cc = query(nvml.nvmlDeviceGetCudaComputeCapability, h)
+    capability = float(f"{cc[0]}.{cc[1]}") if cc else None
+    return Device(
+        index=logical,
+        name=name.decode() if isinstance(name, bytes) else str(name),
+        total_bytes=int(mem.total) if mem is not None else 0,
+        free_bytes=int(mem.free) if mem is not None else None,
+        bf16=None if capability is None else capability >= 8.0,
+        compute_capability=capability,
+        physical=str(phys) if renumbered else None,
+        processes=processes(nvml, h),
+    )
 
 
 def resolve_hardware(spec: str | None, env: Mapping[str, str] | None = None, nvml=None) -> Hardware:

@@ -76,6 +76,11 @@ class Topology:
     def policy_ranks(self) -> int:
         return len(self.policy_devices) * self.nnodes
 
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device id a rank of a node uses (policy and scorer), each once, in order."""
+        return tuple(sorted({*self.policy_devices, *(d for d, _ in self.scorer_devices)}))
+
     def dedicated_roles(self) -> set[str]:
         return {role for _, roles in self.scorer_devices for role in roles}
 

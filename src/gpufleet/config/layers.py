@@ -1,6 +1,6 @@
 """The layers of a job, each `{section.field: (value, Source)}`: the job file (a regular file under 1 MiB,
-YAML without duplicate keys or tabs, with the line of every value), the environment
-(`GPUFLEET_<SECTION>__<FIELD>`) and the flags (`--set section.field=value`). Unknown keys become problems
+YAML without duplicate keys or tabs, with the line of every value), Slurm (the nodes of an srun step), the
+environment (`GPUFLEET_<SECTION>__<FIELD>`) and the flags (`--set section.field=value`). Unknown keys become problems
 with a "did you mean"."""
 
 from __future__ import annotations
@@ -206,6 +206,19 @@ def env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tupl
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
         _add(layer, problems, section, key, _parse_text(env[name]), Source("env", name))
     return layer
+
+
+def slurm_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
+    """Inside a multi-node `srun` step: launch.nnodes, node_rank and rdzv_endpoint from Slurm's variables
+    (see gpufleet.slurm); what is wrong with the allocation becomes a problem naming the Slurm variable."""
+    from gpufleet.slurm import derive
+
+    found = derive(env)
+    for f in found.findings:
+        name, _, value = f.variable.partition("=")
+        ref = FieldRef(name, value, Source("slurm"))
+        problems.append(Problem(f.severity, [ref], f.why, f.fix))  # type: ignore[arg-type]
+    return {path: (value, Source("slurm", why)) for path, (value, why) in found.values.items()}
 
 
 def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:

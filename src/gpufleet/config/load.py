@@ -1,8 +1,10 @@
 """Resolve a job from its layers and remember where every value came from.
 
-Layers, lowest to highest: built-in defaults < job file < environment `GPUFLEET_<SECTION>__<FIELD>`
-< flags `--set section.field=value`. Then `algorithm.name` fills the algorithm fields still unset
-(source "preset"), and `train.micro_batch` unset becomes `train.per_device_batch` (source "derived").
+Layers, lowest to highest: built-in defaults < job file < Slurm (inside a multi-node srun step:
+launch.nnodes / node_rank / rdzv_endpoint, see gpufleet.slurm) < environment
+`GPUFLEET_<SECTION>__<FIELD>` < flags `--set section.field=value`. Then `algorithm.name` fills the
+algorithm fields still unset (source "preset"), and `train.micro_batch` unset becomes
+`train.per_device_batch` (source "derived").
 
 Bad values do not stop resolution: each one becomes a `Problem` and the field falls back to the next
 lower layer, so `gpufleet check` can report every problem at once. Only an unreadable job file
@@ -20,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpufleet.config.layers import env_layer, file_layer, flag_layer
+from gpufleet.config.layers import env_layer, file_layer, flag_layer, slurm_layer
 from gpufleet.config.presets import PRESETS
 from gpufleet.config.problems import DEFAULT, FieldRef, Problem, Source, format_value
 from gpufleet.config.schema import SECTIONS, Job
@@ -51,13 +53,14 @@ def load_job(
     sets: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> Resolved:
-    """Resolve defaults < file < env < flags into a `Resolved` job (see the module docstring)."""
+    """Resolve defaults < file < Slurm < env < flags into a `Resolved` job (see the module docstring)."""
     env = os.environ if env is None else env
     problems: list[Problem] = []
     layers: list[dict[str, tuple[Any, Source]]] = []  # lowest first
     path = Path(job_path) if job_path is not None else None
     if path is not None:
         layers.append(file_layer(path, problems))
+    layers.append(slurm_layer(env, problems))
     layers.append(env_layer(env, problems))
     layers.append(flag_layer(sets, problems))
 
@@ -135,7 +138,8 @@ def _validate_section(name, cls, candidates, problems):
 
 def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict]) -> Problem:
     """A rejected value: say what the field accepts, with the nearest choice when it is a typo."""
-    msg = " or ".join(dict.fromkeys(str(e.get("msg", "invalid value")).rstrip(".") for e in errors))
+    said = (str(e.get("msg", "invalid value")).rstrip(".") for e in errors)
+    msg = " or ".join(dict.fromkeys(m.replace("Value error, ", "not ", 1) for m in said))
     annotation = str(info.annotation)
     choices = _literal_choices(info.annotation)
     # What the non-choice part of the type accepts ("a whole number", "a value greater than 0", ...).
@@ -157,6 +161,8 @@ def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict])
 
 
 def _expected(annotation: str, msg: str) -> str:
+    if msg.startswith("Value error, "):  # a validator of ours: its message says what the field takes
+        return msg.removeprefix("Value error, ").rstrip(".")
     if "greater than" in msg or "less than" in msg:
         return "a value " + msg.split("Input should be ", 1)[-1].rstrip(".")
     if "list" in annotation:

@@ -10,15 +10,15 @@ from typing import Any, Literal
 class Source:
     """Where a value came from: the layer and the exact place in it."""
 
-    kind: Literal["default", "file", "env", "flag", "preset", "derived"]
+    kind: Literal["default", "file", "slurm", "env", "flag", "preset", "derived"]
     detail: str = ""
 
     def __str__(self) -> str:
         if self.kind == "default":
             return "default"
-        if self.kind in ("env", "flag", "preset", "derived"):
-            return f"{self.kind} {self.detail}".strip()
-        return self.detail or "file"
+        if self.kind == "file":
+            return self.detail or "file"
+        return f"{self.kind} {self.detail}".strip()
 
 
 DEFAULT = Source("default")

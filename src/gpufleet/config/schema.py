@@ -23,6 +23,7 @@ from gpufleet.config.types import (  # noqa: F401  (re-exported: other modules i
     Mapping,
     RolePlacement,
     Section,
+    Size,
     StrList,
 )
 
@@ -217,13 +218,15 @@ class LaunchSection(Section):
     """Processes per node. `auto`: one per placed device (policy ranks + scorer ranks)."""
 
     nnodes: int = Field(1, ge=1)
-    """Number of nodes."""
+    """Number of nodes. Inside a multi-node `srun` step: Slurm's node count (source `slurm`)."""
 
     node_rank: int = Field(0, ge=0)
-    """This node's rank, 0 .. nnodes-1 (Slurm: $SLURM_NODEID)."""
+    """This node's rank, 0 .. nnodes-1. Inside a multi-node `srun` step: this host's place in the step's
+    node list (SLURMD_NODENAME), else $SLURM_NODEID."""
 
     rdzv_endpoint: str | None = None
-    """host:port of the c10d rendezvous for multi-node jobs (usually node 0's address)."""
+    """host:port of the c10d rendezvous for multi-node jobs (usually node 0's address). Inside a multi-node
+    `srun` step: the node list's first host, port $MASTER_PORT or 29400 + job id % 1000."""
 
     master_addr: str = "127.0.0.1"
     """Address of rank 0 for single-node jobs."""
@@ -290,6 +293,11 @@ class ScriptSection(Section):
     lr_rule: Literal["none", "linear", "sqrt"] = "none"
     """How the learning rate follows the effective batch: unchanged, x ratio (Goyal et al.), or
     x sqrt(ratio) (Adam-style). With keep_effective_batch the ratio is 1 and this changes nothing."""
+
+    memory_per_device: Size | None = None
+    """GPU memory one rank needs at its peak (`20GB`; GB means GiB, as in --gpus), checked against each
+    chosen GPU's free memory (NVML) — or its size, for a --gpus what-if — before anything starts.
+    None: not checked."""
 
     progress_regex: str = r"gpufleet-progress samples=(\d+)"
     """A line of rank 0's output that reports progress (for `launch --scaling`): a regular expression whose

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 
 def _split_list(value: Any) -> Any:
@@ -57,6 +57,18 @@ def _parse_mapping(value: Any) -> Any:
 
 
 Mapping = Annotated[dict[str, Any], BeforeValidator(_parse_mapping)]
+
+
+def _size(value: str) -> str:
+    """A memory size as `--gpus` reads it (`20GB`, `512MiB`; GB means GiB)."""
+    from gpufleet.hardware import parse_size
+
+    if parse_size(value) is None:
+        raise ValueError("a size such as 20GB or 512MB")
+    return value
+
+
+Size = Annotated[str, AfterValidator(_size)]
 
 
 class Section(BaseModel):

@@ -69,6 +69,17 @@ def scaled(s: ScriptSection, devices: int) -> Recipe:
     return Recipe(devices, now.per_device_batch, now.grad_accum, lr, steps)
 
 
+def halved(ref: Recipe, now: Recipe) -> str | None:
+    """The flags that halve the per-device batch of `now` and keep the reference's effective batch with more
+    accumulation (`--set script.per_device_batch=4 --set script.gradient_accumulation_steps=4`); None when
+    the batch is 1 or not known."""
+    if not now.per_device_batch or now.per_device_batch < 2 or not ref.effective_batch:
+        return None
+    pdb = now.per_device_batch // 2  # a reference recipe that scales to half the per-device batch
+    acc = max(1, ref.effective_batch // (pdb * ref.devices))
+    return f"--set script.per_device_batch={pdb} --set script.gradient_accumulation_steps={acc}"
+
+
 def _indivisible(ref: Recipe, devices: int) -> str:
     return (
         f"the reference effective batch {ref.effective_batch} (= {ref.per_device_batch} per device x "

@@ -1,6 +1,7 @@
 """Why a launched script failed: the first rank that exited non-zero, the cause read from its log, and a
 computed fix. The causes are recognised by the messages the libraries really print (torch's CUDA OOM,
-NCCL, the DataLoader, the OS) and by how the process ended (killed by SIGKILL)."""
+NCCL, gloo and NCCL collective timeouts, the DataLoader, the OS) and by how the process ended (killed by
+SIGKILL). A timeout names the ranks that lagged: those whose logs show no timeout of their own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.launch.diagnose import records
-from gpufleet.launch.recipe import Recipe
+from gpufleet.launch.recipe import Recipe, halved
 
 
 @dataclass
@@ -29,20 +30,25 @@ def first_ended(logs: Path) -> Ended | None:
         return None
     rec = min(ended, key=lambda r: (r["code"] in (-signal.SIGTERM, 143), r["time"]))
     log = logs / f"rank{rec['rank']}.log"
+    return Ended(rec["rank"], rec["code"], log, last_attempt(log))
+
+
+def last_attempt(log: Path) -> str:
+    """A rank's log since its last start (torchrun restarts append to the same file)."""
     text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
-    return Ended(rec["rank"], rec["code"], log, text[text.rfind("--- rank ") :])
+    start = text.rfind("--- rank ")
+    return text[start:] if start >= 0 else text
 
 
 def _oom(e: Ended, ref: Recipe, now: Recipe) -> str | None:
     if not re.search(r"CUDA out of memory|OutOfMemoryError|HIP out of memory", e.text):
         return None
-    if now.per_device_batch and now.per_device_batch > 1 and ref.effective_batch:
-        pdb = now.per_device_batch // 2  # a reference recipe that scales to half the per-device batch
-        acc = max(1, ref.effective_batch // (pdb * ref.devices))
+    smaller = halved(ref, now)
+    if smaller:
         return (
-            f"out of GPU memory at per-device batch {now.per_device_batch}. Fix: --set script.per_device_batch="
-            f"{pdb} --set script.gradient_accumulation_steps={acc} (per-device batch {pdb}, the effective "
-            f"batch stays {ref.effective_batch}), or turn on gradient checkpointing in the script"
+            f"out of GPU memory at per-device batch {now.per_device_batch}. Fix: {smaller} (per-device batch "
+            f"{now.per_device_batch // 2}, the effective batch stays {ref.effective_batch}), or turn on gradient "
+            "checkpointing in the script"
         )
     return (
         "out of GPU memory. Fix: a smaller batch or sequence length, or gradient checkpointing in the script"
@@ -69,18 +75,41 @@ def _address_in_use(e: Ended, ref: Recipe, now: Recipe) -> str | None:
     )
 
 
+# gloo: "Timed out waiting 3000ms for recv operation to complete"; NCCL's watchdog: "Watchdog caught
+# collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, ...) ran for 600038 milliseconds".
+_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (?:recv|send) operation|collective operation timeout")
+
+
+def _timeout(e: Ended, ref: Recipe, now: Recipe) -> str | None:
+    if not _TIMEOUT.search(e.text):
+        return None
+    lagging = []  # the ranks that had not reached the collective: their logs show no timeout
+    for log in sorted(e.log.parent.glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0)):
+        text = last_attempt(log)
+        if not _TIMEOUT.search(text):
+            last = next((x for x in reversed(text.splitlines()[1:]) if x.strip()), "(no output)")
+            lagging.append(f"rank {log.stem[4:]} (its last line: {last.strip()[:120]!r})")
+    who = ", ".join(lagging) if lagging else "another rank"
+    return (
+        f"a collective timed out on rank {e.rank}, waiting for {who}, which lagged or hung before reaching "
+        "it. Fix: see what that rank was doing (its log); NCCL_DEBUG=INFO shows the transport; raise the "
+        "script's collective timeout only if it is legitimately slow (saving, loading data on one rank)"
+    )
+
+
 def _nccl(e: Ended, ref: Recipe, now: Recipe) -> str | None:
     if "NCCL" not in e.text:
         return None
-    if re.search(r"[Tt]imeout|timed out|Watchdog", e.text):
+    if re.search(r"peer access is not supported|cudaErrorPeerAccess|transport/p2p\.cc.*NCCL WARN", e.text):
         return (
-            f"a collective timed out on rank {e.rank}: another rank lagged or hung (see its log). Fix: find "
-            "the slow rank's last line; NCCL_DEBUG=INFO shows the transport; raise the script's timeout only "
-            "if a rank is legitimately slow (e.g. saving)"
+            "NCCL failed on peer-to-peer between the GPUs (consumer cards, or a PCIe topology without it). "
+            "Fix: NCCL_P2P_DISABLE=1 (gpufleet sets it itself when NVML says the chosen GPUs lack P2P); "
+            "NCCL_DEBUG=INFO names the failing transport"
         )
     return (
         "NCCL failed. Fix: on cards without peer-to-peer (consumer GPUs) set NCCL_P2P_DISABLE=1; without "
-        "InfiniBand set NCCL_IB_DISABLE=1; NCCL_DEBUG=INFO names the failing transport"
+        "InfiniBand set NCCL_IB_DISABLE=1 (and NCCL_SOCKET_IFNAME=<the interface the nodes share>); "
+        "NCCL_DEBUG=INFO names the failing transport"
     )
 
 
@@ -109,6 +138,7 @@ CAUSES: list[Callable[[Ended, Recipe, Recipe], str | None]] = [
     _oom,
     _missing_module,
     _address_in_use,
+    _timeout,
     _nccl,
     _dataloader,
     _killed,

@@ -101,8 +101,17 @@ def worker_env(
     return env
 
 
-def describe_launch(job: Job, topo: Topology, job_file: Path, *, cpu: bool, job_arg: str) -> str:
-    """`--print-launch`: what would run on each node, without running it."""
+def describe_launch(
+    job: Job,
+    topo: Topology,
+    job_file: Path,
+    *,
+    cpu: bool,
+    job_arg: str,
+    extra_env: Mapping[str, str] | None = None,
+) -> str:
+    """`--print-launch`: what would run on each node, without running it (`extra_env`: variables gpufleet
+    adds for the ranks, such as NCCL_P2P_DISABLE)."""
     lines = []
     nodes = range(job.launch.nnodes)
     for n in nodes:
@@ -115,7 +124,8 @@ def describe_launch(job: Job, topo: Topology, job_file: Path, *, cpu: bool, job_
         if job.launch.nnodes == 1 and port is None:
             argv[argv.index("--master-port") + 1] = "<free port chosen at launch>"
         env = worker_env(topo.nproc_per_node)
-        lines.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
+        added = "".join(f"{k}={v} " for k, v in (extra_env or {}).items())
+        lines.append(f"{added}OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
     return "\n".join(lines)
 
 

@@ -50,6 +50,27 @@ def _too_full(d: DeviceLoad, models: Models) -> str:
     )
 
 
+def _short_of_free_memory(r, hw, env, models: Models, plan) -> list[Problem]:
+    """Detected GPUs whose free memory now (NVML: other processes hold some) is below what the plan puts
+    on them, though the card itself would hold it; the fix: GPUs with room, or changes verified by
+    planning them on the free memory."""
+    from gpufleet import preflight
+
+    need = {d.index: d.total for d in plan.devices if d.index is not None and d.fits and d.total}
+    free = {i: hw.devices[i].free_bytes for i in need if i < len(hw.devices)}
+    if not any(f is not None and f < need[i] for i, f in free.items()):
+        return []
+    room = preflight.with_room(hw, max(need.values()))
+    options = []
+    if len(room) >= len(need):
+        ids = ",".join(str(d.index) for d in room[: len(need)])
+        options.append(f"--set placement.devices={ids} (idle GPUs with room)")
+    options += [f.command() for f in find_fixes(r, hw.free_as_total(), env, models, limit=2)]
+    fix = "; or ".join(options) or "free memory on those GPUs (nvidia-smi lists what holds it)"
+    refs = [r.ref("placement.devices"), r.ref("train.micro_batch")]
+    return preflight.short_of_memory(hw, need, refs, fix + " (gpufleet plan shows each device)")
+
+
 def fit_problems(ctx) -> list[Problem]:
     """The `gpufleet check` rule: the job must fit every device with 10% headroom.
 
@@ -84,6 +105,7 @@ def fit_problems(ctx) -> list[Problem]:
                 extra={"rule": "fit"},
             )
         )
+    out += _short_of_free_memory(r, hw, env, models, plan)
     if plan.comfortable:
         return out
     d = plan.tightest

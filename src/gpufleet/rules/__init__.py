@@ -2,7 +2,8 @@
 
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
 resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
-env.py those of an env job (multi-turn agent RL); lora.py those of a LoRA job.
+devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
+lora.py those of a LoRA job.
 Importing this package registers them all, in that order.
 """
 
@@ -10,6 +11,7 @@ Importing this package registers them all, in that order.
 # isort: off
 from gpufleet.rules import job  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
+from gpufleet.rules import devices  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
 from gpufleet.rules import env  # noqa: F401
 from gpufleet.rules import lora  # noqa: F401

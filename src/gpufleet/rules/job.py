@@ -200,7 +200,7 @@ def launch_nodes(ctx: Context):
         yield err(
             [ctx.ref("launch.rdzv_endpoint"), ctx.ref("launch.nnodes")],
             f"a {la.nnodes}-node job needs a rendezvous address that every node can reach.",
-            "--set launch.rdzv_endpoint=<node0-host>:29400 (Slurm: the first host of $SLURM_JOB_NODELIST)",
+            "--set launch.rdzv_endpoint=<node0-host>:29400 (inside an srun step gpufleet derives it from Slurm)",
         )
     if la.rdzv_endpoint:
         host, _, port = la.rdzv_endpoint.rpartition(":")

@@ -8,6 +8,7 @@ from gpufleet.config.batch import batch_note
 from gpufleet.config.load import load_job
 from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.preflight import p2p_env
 from gpufleet.text import plural
 
 
@@ -26,6 +27,9 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> i
     print(f"gpufleet check {job}")
     print(f"  hardware: {hw.describe()}")
     print(f"  world:    {ctx.topo.describe()}; {plural(ctx.topo.world_size, 'process', 'processes')}")
+    _, p2p_note = p2p_env(hw, ctx.topo.devices, env)
+    if p2p_note:
+        print(f"  {p2p_note}")
     m = ctx.model
     if m is not None:
         print(

@@ -40,7 +40,7 @@ def show_config(
 
 
 def render_yaml(r: Resolved) -> str:
-    """A valid job file that behaves as it reads: the values a layer set (file, env, flag) as YAML, each
+    """A valid job file that behaves as it reads: the values a layer set (file, Slurm, env, flag) as YAML, each
     with its source; defaults and values derived from them (presets, micro_batch) only as comments, so
     that editing `algorithm.name` in the output re-derives its preset as it would in the original."""
     data = dump_job(r)
@@ -54,7 +54,7 @@ def render_yaml(r: Resolved) -> str:
             text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
             text = text.removesuffix("\n...").removesuffix("...").strip()
             src = r.source(f"{section}.{name}")
-            if src.kind in ("file", "env", "flag"):
+            if src.kind in ("file", "slurm", "env", "flag"):
                 lines.append(f"  {name}: {text}  # {src}")
             else:
                 lines.append(f"  #   {name}: {text}  # {src}")

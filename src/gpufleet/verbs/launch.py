@@ -10,9 +10,7 @@ GPUFLEET_* variables. Checks first (every problem at once), then torchrun with o
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,9 +19,9 @@ from gpufleet.config.load import load_job
 from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import Hardware, hardware_here, resolve_hardware
 from gpufleet.launch import recipe
+from gpufleet.launch.checks import findings
+from gpufleet.preflight import p2p_env
 from gpufleet.text import plural
-
-GiB = 1024**3
 
 
 def launch_command(
@@ -57,23 +55,39 @@ def launch_command(
     out = Path(jb.output.dir).expanduser()
     values = recipe.values(now, per_node, str(out))
     argv = recipe.fill(cmd, values)
-    problems = _problems(argv, per_node, hw, jb, dry_run)
-    print(f"gpufleet launch: {shlex.join(argv)}")
-    print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
-    if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
-        print(f"  recipe ({jb.script.batch_rule}, lr {jb.script.lr_rule}):")
-        print(recipe.table(recipe.reference(jb.script), now))
+    problems = findings(argv, per_node, hw, r, dry_run)
+    extra, p2p_note = p2p_env(hw, range(per_node) if not hw.is_cpu else (), env)
+    _header(argv, per_node, hw, r, now)
     for level, text in problems:
         print(f"{level}: {text}", file=sys.stderr if level == "error" else sys.stdout)
     if any(level == "error" for level, _ in problems):
         print("Nothing was started.", file=sys.stderr)
         return EXIT_USER_ERROR
+    if p2p_note:
+        print(p2p_note)
+    env = {**env, **extra}
     if dry_run:
-        print(f"  env: {' '.join(f'{_env_name(k)}={v}' for k, v in values.items())}")
+        shown = [f"{_env_name(k)}={v}" for k, v in values.items()] + [f"{k}={v}" for k, v in extra.items()]
+        print(f"  env: {' '.join(shown)}")
         return 0
     if scaling:
         return _scaling(jb, cmd, scaling, scaling_seconds, hw, out, env)
     return _run(jb, argv, per_node, values, out, env, now)
+
+
+def _header(argv: list[str], per_node: int, hw: Hardware, r, now: recipe.Recipe) -> None:
+    """The command as it will run, the world (and where the nodes meet), and the recipe table."""
+    jb = r.job
+    print(f"gpufleet launch: {shlex.join(argv)}")
+    print(f"  {plural(per_node, 'process')} per node x {plural(jb.launch.nnodes, 'node')}; {hw.describe()}")
+    if jb.launch.nnodes > 1:
+        la = jb.launch
+        print(
+            f"  node {la.node_rank} of {la.nnodes}; rendezvous {la.rdzv_endpoint} ({r.source('launch.rdzv_endpoint')})"
+        )
+    if jb.script.per_device_batch is not None or jb.script.learning_rate is not None:
+        print(f"  recipe ({jb.script.batch_rule}, lr {jb.script.lr_rule}):")
+        print(recipe.table(recipe.reference(jb.script), now))
 
 
 def _nproc(jb, hw: Hardware) -> int:
@@ -85,94 +99,6 @@ def _nproc(jb, hw: Hardware) -> int:
 
 def _env_name(key: str) -> str:
     return f"GPUFLEET_{key.upper()}"
-
-
-def _problems(argv: list[str], per_node: int, hw: Hardware, jb, dry_run: bool) -> list[tuple[str, str]]:
-    """(level, line) for everything that would stop or slow the run, all at once. A missing script or
-    command is only a warning for --dry-run (a plan for another machine, where it is installed)."""
-    out: list[tuple[str, str]] = []
-    missing = "warning" if dry_run else "error"
-    script = _script_file(argv)
-    if script is not None and not script.is_file():
-        out.append(
-            (
-                missing,
-                f"script.command: {script} does not exist (from {os.getcwd()}). Fix: the path of the script",
-            )
-        )
-    elif script is None and shutil.which(argv[0]) is None:
-        out.append(
-            (
-                missing,
-                f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path",
-            )
-        )
-    if not hw.is_cpu and per_node > len(hw.devices):
-        out.append(
-            (
-                "error",
-                f"launch.nproc_per_node: {per_node} processes but {plural(len(hw.devices), 'GPU')} here. "
-                f"Fix: --nproc {len(hw.devices)}",
-            )
-        )
-    if (
-        jb.launch.master_port != "auto"
-        and jb.launch.nnodes == 1
-        and not _port_free(jb.launch.master_addr, jb.launch.master_port)
-    ):
-        out.append(
-            (
-                "error",
-                f"launch.master_port: {jb.launch.master_port} is in use on {jb.launch.master_addr}. "
-                "Fix: --set launch.master_port=auto",
-            )
-        )
-    cores = hw.cpu_count
-    if per_node > cores:
-        out.append(
-            (
-                "warning",
-                f"{per_node} processes share {plural(cores, 'core')}: expect no speed-up on the CPU side",
-            )
-        )
-    shm = _shm_bytes()
-    if shm is not None and not hw.is_cpu and shm < per_node * GiB:
-        out.append(
-            (
-                "warning",
-                f"/dev/shm is {shm / GiB:.1f} GiB for {per_node} ranks: DataLoader workers may die. "
-                "Fix: docker --shm-size=8g, or num_workers=0",
-            )
-        )
-    return out
-
-
-def _script_file(argv: list[str]) -> Path | None:
-    """The .py file a `python x.py ...` / `x.py ...` command runs (None for `python -m` and other commands)."""
-    args = argv[1:] if Path(argv[0]).name.startswith("python") else argv
-    first = next((a for a in args if not a.startswith("-")), None) if args else None
-    if args and args[0] == "-m":
-        return None
-    return Path(first) if first and first.endswith(".py") else None
-
-
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _shm_bytes() -> int | None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bsize * st.f_blocks
 
 
 def _target(argv: list[str], logs: Path, progress_regex: str) -> list[str]:

@@ -14,6 +14,7 @@ from gpufleet.config.load import load_job
 from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.hardware import hardware_here, resolve_hardware
+from gpufleet.preflight import p2p_env
 from gpufleet.rules import run_checks
 from gpufleet.rules.resources import holds_run
 from gpufleet.text import plural
@@ -46,13 +47,16 @@ def train_command(
     use_roots(roots(r.job_path))  # the job's own modules (rewards) import from its folder, then cwd
     out = Path(jb.output.dir).expanduser()
     job_file = out / "job.yaml"
+    p2p, note = p2p_env(hw, topo.devices if topo.world_size > 1 else (), env)
+    if note:
+        print(note)
     if print_launch:
         from gpufleet.launch.torchrun import describe_launch
 
         if topo.world_size == 1:
             print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
         else:
-            print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job))
+            print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job, extra_env=p2p))
         return 0
     start = _start(out, jb, topo)
     if start is None:  # the run in `out` is finished
@@ -67,7 +71,12 @@ def train_command(
                 _in_process(jb, out, hw, topo, start.checkpoint)
                 if topo.world_size == 1
                 else _torchrun(
-                    jb, topo, job_file, out, hw, {**env, "PYTHONPATH": pythonpath(roots(r.job_path), env)}
+                    jb,
+                    topo,
+                    job_file,
+                    out,
+                    hw,
+                    {**env, **p2p, "PYTHONPATH": pythonpath(roots(r.job_path), env)},
                 )
             )
     except (KeyboardInterrupt, Interrupted):
