@@ -285,6 +285,7 @@ SAMPLING = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 1.0},
     "filtered": {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+    "suppressed": {"temperature": 1.0, "suppress_tokens": (PAD_TOKEN_ID,)},  # pad is never sampled
 }
 
 

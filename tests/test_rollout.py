@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl.rollout import Rollout, _sample, generate, left_pad, sequence_logprobs
+from gpufleet.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
+from gpufleet.rl.sampling import next_tokens as _sample
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,27 @@ class EosBoost(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
-def test_greedy_equals_hf_generate(models, name):
-    model = models[name]
+NEVER = (PAD_TOKEN_ID,)  # the built-in models: <pad> is not <eos>, so it is never sampled nor scored
+
+
+def pad_favoured(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an untied ``model`` whose pad logit is 1.05x that of its most frequent greedy token, so
+    pad wins wherever that token would (a random model where pad is a live token, made obvious)."""
+    probe = sample(model, random_prompts(8, seed=10), list(range(8)), temperature=0.0)
+    top = int(torch.mode(probe.completion_ids.flatten()).values)
+    favoured = copy.deepcopy(model)
+    with torch.no_grad():
+        favoured.lm_head.weight[PAD_TOKEN_ID] = 1.05 * favoured.lm_head.weight[top]
+    return favoured
+
+
+@pytest.mark.parametrize(("name", "never"), [("tiny-qwen2", ()), ("tiny-llama", ()), ("tiny-llama", NEVER)])
+def test_greedy_equals_hf_generate(models, name, never):
+    """Our greedy tokens are HF's; with pad suppressed (on a model where pad would win), HF's with
+    ``suppress_tokens``."""
+    model = pad_favoured(models[name]) if never else models[name]
     prompts = random_prompts(6, seed=1)
-    ours = sample(model, prompts, list(range(6)), temperature=0.0, max_new_tokens=16)
+    ours = sample(model, prompts, list(range(6)), temperature=0.0, max_new_tokens=16, suppress_tokens=never)
     ids, mask = left_pad(prompts, PAD_TOKEN_ID)
     assert torch.equal(ours.prompt_ids, ids) and torch.equal(ours.prompt_mask, mask)
     ref = model.generate(
@@ -63,8 +81,13 @@ def test_greedy_equals_hf_generate(models, name):
         max_new_tokens=16,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=PAD_TOKEN_ID,
+        suppress_tokens=list(never) or None,
     )[:, ids.shape[1] :]
     assert torch.equal(ours.completion_ids, ref[:, : ours.completion_ids.shape[1]])
+    if never:
+        free = sample(model, prompts, list(range(6)), temperature=0.0, max_new_tokens=16)
+        assert (free.completion_ids[free.completion_mask.bool()] == PAD_TOKEN_ID).any()  # pad is live here
+        assert not (ours.completion_ids[ours.completion_mask.bool()] == PAD_TOKEN_ID).any()
 
 
 def test_same_seed_same_completion_other_seed_differs(model):
@@ -193,6 +216,22 @@ def naive_logprobs(model, ids, mask, start, temperature):
     return logp, entropy
 
 
+def assert_equal_to_naive(model, out: Rollout, logp, entropy, naive) -> None:
+    """``logp``/``entropy`` (with grad) equal ``naive`` ones at the valid tokens, and so do their gradients."""
+    valid = out.completion_mask.bool()
+    model.zero_grad()
+    (logp * valid).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_logp, ref_entropy = naive
+    (ref_logp * valid).sum().backward()
+    assert torch.allclose(logp[valid], ref_logp[valid], atol=1e-5)
+    assert torch.allclose(entropy[valid], ref_entropy[valid], atol=1e-5)
+    for got, ref in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        assert torch.allclose(got, ref, atol=1e-5)
+    model.zero_grad()
+
+
 @pytest.mark.parametrize(("temperature", "chunk"), [(1.0, None), (0.7, 3)])
 def test_sequence_logprobs_equal_naive_softmax_and_carry_gradients(model, temperature, chunk):
     out = sample(EosBoost(model, 2.0), random_prompts(5, seed=7), list(range(5)), max_new_tokens=8)
@@ -201,18 +240,7 @@ def test_sequence_logprobs_equal_naive_softmax_and_carry_gradients(model, temper
 
     logp, entropy = sequence_logprobs(model, ids, mask, start, temperature=temperature, chunk=chunk)
     assert logp.shape == entropy.shape == out.completion_ids.shape
-    model.zero_grad()
-    (logp * valid).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-
-    model.zero_grad()
-    ref_logp, ref_entropy = naive_logprobs(model, ids, mask, start, temperature)
-    (ref_logp * valid).sum().backward()
-    assert torch.allclose(logp[valid], ref_logp[valid], atol=1e-5)
-    assert torch.allclose(entropy[valid], ref_entropy[valid], atol=1e-5)
-    for got, ref in zip(grads, (p.grad for p in model.parameters()), strict=True):
-        assert torch.allclose(got, ref, atol=1e-5)
-    model.zero_grad()
+    assert_equal_to_naive(model, out, logp, entropy, naive_logprobs(model, ids, mask, start, temperature))
 
     with torch.no_grad():
         nograd_logp, _ = sequence_logprobs(model, ids, mask, start, temperature=temperature)
@@ -229,3 +257,30 @@ def test_sampled_tokens_have_the_generating_distribution_logprobs(model):
     best = torch.log_softmax(logits[:, out.completion_start - 1 : -1], -1).max(-1).values
     valid = out.completion_mask.bool()
     assert torch.allclose(logp[valid], best[valid], atol=1e-5)
+
+
+def naive_suppressed_logprobs(model, ids, mask, start, temperature):
+    """Log-probs and entropies over the vocabulary without pad: its column dropped before the softmax."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, start - 1 : -1] / temperature
+    keep = [i for i in range(logits.shape[-1]) if i != PAD_TOKEN_ID]
+    logp_all = torch.log_softmax(logits[..., keep], dim=-1)
+    targets = ids[:, start:].clamp(min=1) - 1  # pad (id 0) only follows EOS: masked, any index will do
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_suppressed_sampling_and_scoring_are_one_distribution(models, temperature):
+    model = pad_favoured(models["tiny-llama"])
+    prompts, seeds = random_prompts(8, seed=11), list(range(8))
+    boosted = EosBoost(model, 2.0)  # some rows end early: padding after their EOS
+    out = sample(boosted, prompts, seeds, temperature=temperature, suppress_tokens=NEVER)
+    valid = out.completion_mask.bool()
+    assert not (out.completion_ids[valid] == PAD_TOKEN_ID).any() and not valid.all()
+    ids, mask, start = out.input_ids, out.attention_mask, out.completion_start
+    logp, entropy = sequence_logprobs(model, ids, mask, start, temperature=temperature, suppress_tokens=NEVER)
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+    assert (logp[~valid] == 0).all()  # the padding after EOS holds pad: log-prob 0, masked by callers
+    assert_equal_to_naive(
+        model, out, logp, entropy, naive_suppressed_logprobs(model, ids, mask, start, temperature)
+    )

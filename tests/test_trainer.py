@@ -10,6 +10,7 @@ import torch
 from gpufleet.config.load import load_job
 from gpufleet.errors import UserError
 from gpufleet.rl import trainer
+from gpufleet.rl.batch import logprobs_of
 
 
 def make_job(tmp_path, *sets):
@@ -66,6 +67,12 @@ def test_reused_batch_keeps_generating_logprobs(tmp_path):
         and scored.batch.old_logprobs.shape == scored.batch.completion_mask.shape
     )
     assert scored.batch.input_ids.shape[0] == 8  # 4 per step x 2 steps per generation
+    # The old log-probs are those of the sampled distribution: pad (not EOS here) left out, as in sampling.
+    with torch.no_grad():
+        free = logprobs_of(parts.train_model, scored.batch, 1.0, 8, trainer.autocast_for(job, parts.device))
+    valid = scored.batch.completion_mask.bool()
+    assert parts.suppress_tokens == (0,)
+    assert (scored.batch.old_logprobs[valid] > free[valid]).all()  # renormalised without pad's share
 
 
 def test_train_writes_metrics_samples_and_model(tmp_path):
@@ -107,6 +114,8 @@ def test_train_writes_metrics_samples_and_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     trained = dict(model.named_parameters())
     parts = trainer.build(job)
+    # The built-in <pad> (0) is not EOS: never sampled nor scored, and the saved model says so to generate.
+    assert parts.suppress_tokens == (0,) and model.generation_config.suppress_tokens == [0]
     initial = dict(parts.policy.named_parameters())
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # it learned something
     assert last["step"] == 3

@@ -69,12 +69,21 @@ def completion_seed(seed: int, position: int, generation: int) -> int:
 
 
 @torch.no_grad()
-def logprobs_of(model, batch: GenerationBatch, temperature: float, micro: int, autocast) -> torch.Tensor:
+def logprobs_of(
+    model, batch: GenerationBatch, temperature: float, micro: int, autocast, suppress_tokens=()
+) -> torch.Tensor:
+    """No-grad log-probs of the batch's completions under `model` (old or reference log-probs), `micro`
+    rows at a time, with `suppress_tokens` at probability 0 as in sampling."""
     out = []
     for mb in batch.split(micro):
         with autocast():
             lp, _ = sequence_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.completion_start, temperature=temperature
+                model,
+                mb.input_ids,
+                mb.attention_mask,
+                mb.completion_start,
+                temperature=temperature,
+                suppress_tokens=suppress_tokens,
             )
         out.append(lp.float())
     return torch.cat(out)

@@ -14,6 +14,7 @@ from gpufleet.rl.losses import Loss
 from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype
 from gpufleet.rl.rewards import Rewards
 from gpufleet.rl.rollout import Rollout, generate
+from gpufleet.rl.sampling import never_sampled
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Parts:
     loss: Loss
     env: object | None = None
     """With an env: this rank's way to its environments (env/client.py `EnvPool` or `LocalPool`)."""
+    suppress_tokens: tuple[int, ...] = ()
+    """Token ids the policy never samples nor scores (rl/sampling.py `never_sampled`: a pad that is not EOS)."""
 
     @property
     def device(self) -> torch.device:
@@ -84,7 +87,22 @@ def build(
         env_weight=job.env.reward_weight if job.env.name else None,
     )
     loss = Loss.from_job(job)
-    return Parts(job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env)
+    suppress_tokens = _suppress_tokens(tokenizer, policy)
+    return Parts(
+        job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env, suppress_tokens
+    )
+
+
+def _suppress_tokens(tokenizer, policy: torch.nn.Module) -> tuple[int, ...]:
+    """The tokens never sampled (see rl/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
+    config and generation config name. Written into the policy's generation config (`suppress_tokens`),
+    so a saved checkpoint's `generate` leaves them out as training did."""
+    generation = getattr(policy, "generation_config", None)
+    eos = [tokenizer.eos_token_id, policy.config.eos_token_id, getattr(generation, "eos_token_id", None)]
+    tokens = never_sampled(tokenizer.pad_token_id, eos)
+    if generation is not None:
+        generation.suppress_tokens = list(tokens) or None
+    return tokens
 
 
 def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> Rollout:
@@ -103,4 +121,5 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
         top_p=ro.top_p,
         top_k=ro.top_k,
         all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
+        suppress_tokens=p.suppress_tokens,
     ).to(p.device)

@@ -15,6 +15,9 @@ stream per *row*:
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
   row is done.
+* The ``suppress_tokens`` (a pad that is not EOS; ``sampling.never_sampled``) have probability 0 in
+  sampling, greedy included, and in ``sequence_logprobs``: one distribution for sampling and training.
+  They are removed from the logits after the model, so both decode paths below remove them alike.
 * Llama / Qwen2 / Qwen3 / Mistral models (plain modules, float32, no sliding window in the way, ...)
   decode through ``fastdecode.FastDecoder``: the same logits (to a few 1e-7) over the model's current
   weights, 2-2.6x faster for 8 rows x 32 tokens on CPU. Anything else (DDP/FSDP or other wrappers
@@ -28,13 +31,14 @@ beyond the logits themselves, float32 temporaries over the vocabulary exist for 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from gpufleet.rl.fastdecode import FastDecoder
+from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_logits
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
@@ -104,40 +108,6 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
-def _row_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
-    """(B, steps) uniforms in [0, 1); row i comes from its own generator seeded with seeds[i].
-
-    Drawn in float32 and widened to float64 so that ``u * total`` stays strictly below ``total``.
-    """
-    out = torch.empty((len(seeds), steps), dtype=torch.float32)
-    for i, seed in enumerate(seeds):
-        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(seed)))
-    return out.to(device=device, dtype=torch.float64)
-
-
-def _sample(
-    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float, top_k: int
-) -> torch.Tensor:
-    """Next tokens (B,) from last-position logits (B, V): greedy if temperature == 0, else inverse CDF."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    cdf = probs.double().cumsum(dim=-1)
-    # First index whose CDF exceeds u * total: a token of probability 0 can never be picked.
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
-
-
 def generate(
     model: torch.nn.Module,
     prompt_ids: list[list[int]],
@@ -150,6 +120,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     all_done: Callable[[bool], bool] | None = None,
+    suppress_tokens: Sequence[int] = (),
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
 
@@ -157,6 +128,7 @@ def generate(
     ``top_p == 1`` disable those filters; they apply after the temperature, top-k first (as in HF).
     ``all_done``: when the model's forward is a collective (FSDP), every rank must run the same number
     of steps; this callback turns "my rows are done" into "every rank's rows are done".
+    ``suppress_tokens``: ids never sampled, greedy included (``sampling.never_sampled``: a pad that is not EOS).
     """
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
@@ -187,6 +159,7 @@ def generate(
                 top_p,
                 top_k,
                 all_done,
+                suppress_tokens,
             )
     finally:
         model.train(was_training)
@@ -216,11 +189,12 @@ def _decode(
     top_p: float,
     top_k: int,
     all_done: Callable[[bool], bool] | None = None,
+    suppress_tokens: Sequence[int] = (),
 ) -> Rollout:
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
     batch, width = prompt.shape
-    uniforms = _row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
+    uniforms = row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
 
     mask = torch.zeros((batch, width + max_new_tokens), dtype=torch.long, device=device)
     mask[:, :width] = prompt_mask
@@ -232,8 +206,10 @@ def _decode(
     forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        logits = forward(t, step_input, positions)
-        token = _sample(logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k)
+        logits = suppress_logits(forward(t, step_input, positions), suppress_tokens)
+        token = next_tokens(
+            logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k
+        )
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
         mask[:, width + t] = (~done).long()
@@ -297,15 +273,21 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
 
 
 def _token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, suppress_tokens: Sequence[int] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32."""
+    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32,
+    with the ``suppress_tokens`` at probability 0 (where a target is one, padding after EOS, its log-prob is 0)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
+    logits = suppress_logits(logits, suppress_tokens)
     log_z = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    if suppress_tokens:  # padding after EOS: masked by the caller, kept finite here
+        logp = logp.masked_fill(
+            torch.isin(targets, torch.tensor(list(suppress_tokens), device=targets.device)), 0.0
+        )
     return logp, entropy
 
 
@@ -317,10 +299,12 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     chunk: int | None = None,
+    suppress_tokens: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
 
-    Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution).
+    Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution);
+    the ``suppress_tokens`` get probability 0, as in ``generate``.
     Gradients flow into the log-probs when called with grad enabled; the entropy is for metrics and
     carries a gradient too. ``model`` is called once as a whole (so DDP/FSDP wrappers work) with
     ``logits_to_keep`` covering only the completion; the per-token statistics are then taken ``chunk``
@@ -345,7 +329,12 @@ def sequence_logprobs(
     recompute = torch.is_grad_enabled() and logits.requires_grad
     logps, entropies = [], []
     for start in range(0, steps, chunk):
-        piece = (logits[:, start : start + chunk], targets[:, start : start + chunk], temperature)
+        piece = (
+            logits[:, start : start + chunk],
+            targets[:, start : start + chunk],
+            temperature,
+            tuple(suppress_tokens),
+        )
         if recompute:
             logp, entropy = checkpoint(_token_stats, *piece, use_reentrant=False)
         else:

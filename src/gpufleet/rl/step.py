@@ -70,7 +70,7 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions)
+    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens)
     per_function = p.rewards(
         prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
     )
@@ -107,8 +107,11 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
     return [ids_by_pos[pos] for pos in row_pos], [text_by_pos[pos] for pos in row_pos], columns
 
 
-def _ask_scorers(rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str]) -> dict:
-    """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none)."""
+def _ask_scorers(
+    rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str], suppress_tokens=()
+) -> dict:
+    """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none);
+    the reference scores with the policy's `suppress_tokens` removed, as the policy does."""
     if not rt.scorers:
         return {}
     payload = {
@@ -117,6 +120,7 @@ def _ask_scorers(rt: Runtime, batch: GenerationBatch, prompts: list[str], comple
         "attention_mask": batch.attention_mask.cpu(),
         "prompts": prompts,
         "completions": completions,
+        "suppress_tokens": tuple(suppress_tokens),
     }
     return scorer.request(rt, payload)
 
@@ -140,12 +144,18 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
     t, ro = p.job.train, p.job.rollout
     micro = t.micro_batch or t.per_device_batch
     if reuse_count(p.job) > 1:  # the batch is reused: keep the generating policy's log-probs
-        batch.old_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
+        batch.old_logprobs = logprobs_of(
+            p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens
+        )
     if p.reference is not None:
-        batch.ref_logprobs = logprobs_of(p.reference, batch, ro.temperature, micro, autocast)
+        batch.ref_logprobs = logprobs_of(
+            p.reference, batch, ro.temperature, micro, autocast, p.suppress_tokens
+        )
     elif p.job.algorithm.beta > 0 and p.job.model.use_peft:  # LoRA: the base model is the reference
         with p.policy.disable_adapter():
-            batch.ref_logprobs = logprobs_of(p.train_model, batch, ro.temperature, micro, autocast)
+            batch.ref_logprobs = logprobs_of(
+                p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens
+            )
     elif "ref_logprobs" in remote:
         batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
 
@@ -183,6 +193,7 @@ def _accumulate(
             mb.attention_mask,
             mb.completion_start,
             temperature=p.job.rollout.temperature,
+            suppress_tokens=p.suppress_tokens,
         )
         logp = logp.float()
         loss, stats = p.loss(logp, mb, normalizer)

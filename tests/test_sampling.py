@@ -1,0 +1,48 @@
+"""rl/sampling.py by hand: which tokens are never sampled, and what suppressing them does to the logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpufleet.rl.sampling import never_sampled, next_tokens, suppress_logits
+
+
+def test_never_sampled_is_a_pad_that_is_no_eos():
+    assert never_sampled(0, [1]) == (0,)  # the built-in models: <pad> 0, <eos> 1
+    assert never_sampled(0, [1, None, [1, 7]]) == (0,)
+    assert never_sampled(7, [1, [2, 7]]) == ()  # pad is one of the generation config's EOS ids
+    assert never_sampled(1, [1]) == ()  # pad = eos (GPT-2 / Llama style): nothing to leave out
+    assert never_sampled(None, [1]) == ()
+    assert never_sampled(5, []) == (5,)
+
+
+def test_suppressed_logits_give_probability_zero_and_a_finite_entropy():
+    logits = torch.tensor([[2.0, 0.0, math.log(3.0)], [1.0, 1.0, 1.0]])
+    out = suppress_logits(logits, (0,))
+    assert out[0, 1:].tolist() == logits[0, 1:].tolist() and out[0, 0] == torch.finfo(torch.float32).min
+    probs = torch.softmax(out, dim=-1)
+    # [_, e^0, e^ln3] / 4 = [0, 1/4, 3/4]; [_, 1, 1] / 2
+    assert torch.allclose(probs, torch.tensor([[0.0, 0.25, 0.75], [0.0, 0.5, 0.5]]))
+    assert probs[:, 0].tolist() == [0.0, 0.0]
+    log_z = torch.logsumexp(out, dim=-1)
+    entropy = log_z - (probs * out).sum(dim=-1)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert torch.allclose(entropy, torch.tensor([expected, math.log(2)]))
+    assert suppress_logits(logits, ()) is logits
+
+
+def test_suppressed_logits_carry_no_gradient_to_the_token():
+    logits = torch.randn(2, 5, requires_grad=True)
+    torch.log_softmax(suppress_logits(logits, (3,)), dim=-1)[:, 1].sum().backward()
+    assert logits.grad[:, 3].tolist() == [0.0, 0.0] and (logits.grad[:, 1] != 0).all()
+
+
+def test_a_suppressed_token_is_never_picked_greedy_or_sampled():
+    logits = torch.tensor([[5.0, 0.0, 0.1], [5.0, 0.2, 0.0]])
+    assert next_tokens(suppress_logits(logits, (0,)), None, 0.0, 1.0, 0).tolist() == [2, 1]
+    uniforms = torch.tensor([0.0, 1 - 2**-24]).double()  # the lowest and the highest draw
+    for temperature in (0.5, 1.0, 2.0):
+        picked = next_tokens(suppress_logits(logits, (0,)), uniforms, temperature, 1.0, 0)
+        assert picked.tolist() == [1, 2]
