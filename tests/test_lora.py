@@ -92,7 +92,7 @@ def test_the_reference_is_the_base_model_with_the_adapter_off(tmp_path):
                 q.normal_(0, 0.5)
     scored = generation_step(p, 0, autocast_for(job, p.device))
     base = load_causal_lm(job.model.path)
-    expected = logprobs_of(base, scored.batch, 1.0, 8, autocast_for(job, p.device))
+    expected = logprobs_of(base, scored.batch, 1.0, 8, autocast_for(job, p.device), p.suppress_tokens)
     mask = scored.batch.completion_mask.bool()
     assert torch.allclose(scored.batch.ref_logprobs[mask], expected[mask], atol=1e-5)
     policy = logprobs_of(p.policy, scored.batch, 1.0, 8, autocast_for(job, p.device))
