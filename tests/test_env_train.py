@@ -241,7 +241,15 @@ def test_frozenlake_runs_end_to_end_and_its_reward_rises(tmp_path):
     job = str(ROOT / "examples" / "agent-frozenlake.yaml")
     out = [sys.executable, "-m", "gpufleet", "train", job, "--gpus", "cpu", "--set", f"output.dir={run}"]
     p = subprocess.run(
-        [*out, "--set", "train.max_steps=40", "--set", "train.log_every=10"],
+        [
+            *out,
+            "--set",
+            "train.max_steps=40",
+            "--set",
+            "train.log_every=10",
+            "--set",
+            "train.samples_every=20",
+        ],
         capture_output=True,
         text=True,
         env=env(),
