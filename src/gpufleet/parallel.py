@@ -54,6 +54,24 @@ def full_state_dict(model: torch.nn.Module, rt: Runtime) -> dict[str, torch.Tens
     if isinstance(model, FSDPModule):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _share_tied(model, state) if state else state
     inner = getattr(model, "module", model)  # DDP
     return {k: v.detach().cpu() for k, v in inner.state_dict().items()} if rt.is_main else None
+
+
+def _share_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Point tied names (an lm_head tied to the embeddings) at one gathered tensor, as in the module.
+
+    The gathered state dict holds a separate copy under each name; save_pretrained then writes both,
+    while a DDP or single-process run (one shared tensor) writes one: the same model, one key more."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = name if name in state else None
+        if key is None:
+            continue
+        if id(param) in first and first[id(param)] in state:
+            state[key] = state[first[id(param)]]
+        else:
+            first.setdefault(id(param), key)
+    return state
