@@ -365,3 +365,20 @@ def test_bench_smoke():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "lost + duplicated + wrong = 0" in done.stdout
+
+
+def test_nodes_sharing_an_output_folder_keep_their_own_server_lists(tmp_path):
+    """Two nodes' launchers on one shared output folder: each node's list lies in its own folder, and a
+    rank uses the servers of its own node placed for its local device (ranks are node-major)."""
+    from types import SimpleNamespace
+
+    from gpufleet.env.connect import server_indices, servers_file
+
+    assert servers_file(tmp_path) == tmp_path / "env" / "servers.json"
+    assert servers_file(tmp_path, 1) == tmp_path / "env" / "node1" / "servers.json"
+    listing = tmp_path / "servers.json"
+    listing.write_text(json.dumps({"servers": [{"index": i} for i in range(4)]}))
+    two_nodes = [SimpleNamespace(policy_size=4, policy_index=i) for i in range(4)]
+    # 2 nodes x 2 policy ranks, 4 servers per node: local rank 0 -> servers 0, 2; local rank 1 -> 1, 3
+    assert [server_indices(listing, rt, nnodes=2) for rt in two_nodes] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [server_indices(listing, rt) for rt in two_nodes] == [[0], [1], [2], [3]]

@@ -28,22 +28,25 @@ def open_pool(job, rt, run_dir: Path):
         from gpufleet.env.source import factory
 
         return client.LocalPool(factory(cfg.name, dict(cfg.kwargs)), cfg.name)
-    servers_json = servers_file(run_dir)
+    servers_json = servers_file(run_dir, rt.node_rank)
     if not servers_json.exists():
         raise UserError(
             f"no environment servers for this run ({servers_json} is missing).",
             field="env.servers",
             fix="start the run with gpufleet train (it starts the servers), or give env.address",
         )
-    return client.EnvPool.from_file(servers_json, only=server_indices(servers_json, rt))
+    return client.EnvPool.from_file(servers_json, only=server_indices(servers_json, rt, job.launch.nnodes))
 
 
-def server_indices(servers_json: Path, rt) -> list[int]:
-    """The servers policy rank `rt.policy_index` uses: those placed for its device (i % ranks == index),
-    or server index % count when there are fewer servers than ranks."""
+def server_indices(servers_json: Path, rt, nnodes: int = 1) -> list[int]:
+    """The servers of its node that a policy rank uses: those placed for its device (i % ranks == index,
+    counted on the node: every node has the same layout, ranks node-major), or index % count when there
+    are fewer servers than ranks."""
     count = len(json.loads(servers_json.read_text(encoding="utf-8"))["servers"])
-    mine = [i for i in range(count) if i % rt.policy_size == rt.policy_index]
-    return mine or [rt.policy_index % count]
+    per_node = max(rt.policy_size // max(nnodes, 1), 1)
+    local = rt.policy_index % per_node
+    mine = [i for i in range(count) if i % per_node == local]
+    return mine or [local % count]
 
 
 def read_token(path: str | None) -> str:
@@ -100,6 +103,8 @@ def env_errors(job):
         ) from None
 
 
-def servers_file(run_dir: Path) -> Path:
-    """Where `gpufleet train` lists the run's environment servers (written by env/servers.py)."""
-    return run_dir / "env" / "servers.json"
+def servers_file(run_dir: Path, node: int = 0) -> Path:
+    """Where `gpufleet train` lists a node's environment servers (written by env/servers.py): node 0 in
+    OUTPUT/env/, node N in OUTPUT/env/nodeN/ (nodes may share the output folder)."""
+    env_dir = run_dir / "env" if node == 0 else run_dir / "env" / f"node{node}"
+    return env_dir / "servers.json"

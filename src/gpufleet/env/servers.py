@@ -59,13 +59,17 @@ class EnvServers:
         run_dir: Path,
         devices: list[str] | None = None,
         host: str = "127.0.0.1",
+        node: int = 0,
     ):
         if count < 1:
             raise ValueError(f"EnvServers needs count >= 1, got {count}")
         self.name, self.kwargs, self.folders, self.count = name, dict(kwargs), list(folders), count
         self.run_dir, self.devices, self.host = Path(run_dir), list(devices or []), host
-        self.env_dir, self.log_dir = self.run_dir / "env", self.run_dir / "logs"
-        self.servers_json = self.env_dir / "servers.json"
+        from gpufleet.env.connect import servers_file
+
+        self.servers_json = servers_file(self.run_dir, node)  # nodes sharing the folder: one list each
+        self.env_dir = self.servers_json.parent
+        self.log_dir = self.run_dir / "logs" if node == 0 else self.run_dir / "logs" / f"node{node}"
         self.token_file = self.env_dir / "token"
         self.restarts = 0
         self._token = ""

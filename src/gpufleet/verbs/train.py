@@ -100,7 +100,8 @@ def env_servers(jb, out: Path, topo, hw, folders: list[str]):
 
     count = len(topo.policy_devices) if cfg.servers == "auto" else cfg.servers
     devices = None if hw.is_cpu else [str(d) for d in topo.policy_devices]
-    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, devices=devices) as servers:
+    node = jb.launch.node_rank
+    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, devices=devices, node=node) as servers:
         servers.start()
         print(f"env: {plural(count, 'server')} of {cfg.name} on {', '.join(servers.addresses())}", flush=True)
         yield servers
