@@ -39,7 +39,9 @@ def train(run: Path, *sets: str, env_extra=None, timeout=240) -> subprocess.Comp
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(run / "final" / "model.safetensors")  # the same keys whatever the strategy (tied head once)
+    return load_file(
+        run / "final" / "model.safetensors"
+    )  # the same keys whatever the strategy (tied head once)
 
 
 def assert_same_weights(a: Path, b: Path, tol: float = 1e-5) -> None:
