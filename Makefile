@@ -1,5 +1,6 @@
 # make demo   set up .venv and run the main job on this machine (CPU is fine)
-# make test   set up .venv and run the whole test suite
+# make test   set up .venv and run the test suite without the few slow end-to-end tests (under ~8 min)
+# make test-slow   the slow end-to-end tests (marked `slow`); CI (.ci/run) runs both
 # Both create/update .venv themselves and install pinned dependencies (constraints.txt, torch==2.13.0).
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.gpufleet-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP_FLAGS := --disable-pip-version-check --progress-bar off $(FIND_LINKS) -c constraints.txt
 
-.PHONY: demo test venv lint bench clean
+.PHONY: demo test test-slow test-all venv lint bench clean
 
 venv: $(STAMP)
 
@@ -25,7 +26,12 @@ demo: $(STAMP)
 	$(VENV)/bin/gpufleet train examples/quickstart.yaml --set output.dir=runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests
+
+test-all: test test-slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
