@@ -8,32 +8,30 @@ The reward charges for extra characters, so with a budget longer than 8 the mode
 the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``), and a model trained
 so does not end with <eos> (issue 17 item 8, still open).
 
-Teaching it to stop (issue 17 item 8), measured on the quickstart settings (128 completions/step,
-lr 3e-3, temperature 1, grpo), seed 0 only, 1-3 min each. "Stops": completions/clipped_ratio 0.
-"Letters": ``chars`` near its maximum for the budget.
+Teaching it to stop (issue 17 item 8). Greedy counts are of the 26 prompts a..z giving "xxxxxxxx<eos>"
+(HF ``generate`` on the exported model); "stops": ``completions/clipped_ratio`` 0; seed: train.seed.
 
-* The built-in models' <pad> (id 0) is a live token at random init and decodes to no text, so
-  "kkkkkkkk<pad>" reads "kkkkkkkk", as if it had stopped. Budget 9, 0.5 ``chars`` + 0.5 x (length 8):
-  42% of completions got the length bonus by step 16, nearly all through <pad> (clipped ratio 0.98).
-  Masking pad in sampling only let pad, never sampled, soak up the mass (entropy 2.4 -> 0.05 at step
-  70). Masking it in sampling and in ``sequence_logprobs`` (commit 9a49936 on branch wt-demo, reverted
-  since: gpufleet/rl/rollout.py is outside this task) removes that; the lines below are with it.
-* Budget 9, ``chars`` alone (pad live): letters (0.71 of 0.89 at step 160); never stops (clipped 1.0
-  from step 91 to 168, where it was cut). Budget 9, 0.8 ``chars`` + 0.2 x (length 8): the same at step 400 (0.71).
-* Budget 12, ``chars`` + ``stops`` summed, 0.5/0.5 or 0.8/0.2: stops by step 31-36, then the letters do
-  not come (``chars`` about 0.05 at steps 131-156): the length alone drives the group-normalised
-  advantages of groups with no right letter, which reinforces junk. 0.8/0.2 with
-  algorithm.scale_rewards=batch: the same at step 400. 0.95/0.05 with batch: stops by step 91, letters
-  in part (reward 0.3-0.6 over steps 240-400, several letters mapped to "k"; greedy from the export:
-  "k:" -> "kkkkkkkk<eos>", "a:" -> "qqqqqqqq<eos>"); run on to 1000 steps it stays at 0.2-0.76, then
-  stops stopping (clipped 0.97 at step 961). 0.98/0.02: neither by step 400.
-* Budget 12, ``chars`` x (1 + ``stops``) / 2 (stopping paid only along with a right letter): letters
-  (the truncated maximum 1/3 by step 200), never stops (clipped 1.0 from step 60). With precision
-  (right / produced) in place of ``chars``: neither by step 400.
+* <pad> (id 0) decodes to no text, so "kkkkkkkk<pad>" read as a stop; since rl/sampling.py it is never
+  sampled nor scored. Without a minimum length (budgets 9-16, rewards ``chars``, ``chars`` + ``stops``,
+  bonuses, gating, ``dr_grpo``, ``scale_rewards`` batch, beta 0.04): either the letters come first and
+  <eos> at position 9 dies (the copy learned for positions 2-8 carries over; a completion that stops
+  early pushes <eos> down at every position), or a letter-free stop signal wins first and the letters
+  collapse onto one letter. Best: budget 9, ``loss_type`` dapo, letters of the first 8 + 0.5 x stopped
+  - 0.5 x (9th repeats the letter): greedy 22/26, 21/26 (seeds 0, 1), 13/26 (seed 3); seeds 2 and 4
+  not by step 400.
+* A minimum length (<eos> at probability 0 before 8 tokens in sampling and in every log-prob, as HF's
+  ``min_new_tokens``; tried as a patch, not landed), budget 9, dapo, 400 steps. The stop is then solved:
+  ``chars`` alone: clipped 0.57, greedy 12/26 (seed 0; letters first, <eos> at 9 lost per prompt).
+  Letters of 8 + 0.5 x stopped - 0.5 x (9th repeats): stops by step 60 (clipped 0.00-0.02 at 400) on
+  all 5 seeds, but the letters then come late and partly collapse (several prompts share a letter):
+  letters 0.86, 0.22, 0.91, 0.80, 0.56 at step 400, greedy 23, 7, 24, 21, 17 of 26 for seeds 0-4
+  (with the minimum length at generation; without it the export often stops at once: <eos> before 8
+  is never trained). Seed 0, worse: without the repeat term (letters 0.83), stop weight 0.2 (0.74),
+  600 steps (seed 1: 0.81-0.93), letters x (1 + stopped) / 2 (clipped 0.36), cosine lr (0.18),
+  ``dr_grpo`` (0.06, one letter for all).
 
-Either the stop is learned first, from a letter-free signal, and the letters then come slowly, or the
-letters come first and <eos> at position 9 is not sampled again. Untried: a curriculum on the budget,
-an entropy bonus, more steps or seeds.
+Not reached by 400 steps on 4 seeds in 5, so the quickstart keeps the budget of 8 (no stop). Untried:
+a curriculum on the stop weight, an entropy bonus, a larger model or batch.
 """
 
 from __future__ import annotations
