@@ -76,6 +76,32 @@ def length_score(length: int, n: int) -> float:
     return max(0.0, 1.0 - (2 * over if over > 0 else -over) / n)
 
 
+def letters(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """Right characters among the first len(target), over len(target); what follows does not count."""
+    targets = column(columns, "target", len(completions), "repeat/letters")
+    return [
+        sum(a == b for a, b in zip(as_text(c), str(t), strict=False)) / max(len(str(t)), 1)
+        for c, t in zip(completions, targets, strict=True)
+    ]
+
+
+def stopped(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """1.0 when the completion is exactly as long as the target (it ended right after it), else 0.0."""
+    targets = column(columns, "target", len(completions), "repeat/stopped")
+    return [float(len(as_text(c)) == len(str(t))) for c, t in zip(completions, targets, strict=True)]
+
+
+def echo(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """1.0 when the character after the target's length repeats the target's first (the letter copied
+    on instead of stopping), else 0.0: a penalty, with a negative weight."""
+    targets = column(columns, "target", len(completions), "repeat/echo")
+    out: list[float | None] = []
+    for c, t in zip(completions, targets, strict=True):
+        text, target = as_text(c), str(t)
+        out.append(float(bool(target) and len(text) > len(target) and text[len(target)] == target[0]))
+    return out
+
+
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the completion is exactly the target, else 0.0 (a metric more than a training signal)."""
     targets = column(columns, "target", len(completions), "repeat/exact")
@@ -86,7 +112,14 @@ TASK = Task(
     name="repeat",
     description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
     make_example=make_example,
-    reward_functions={"chars": chars, "stops": stops, "exact": exact},
+    reward_functions={
+        "chars": chars,
+        "stops": stops,
+        "exact": exact,
+        "letters": letters,
+        "stopped": stopped,
+        "echo": echo,
+    },
     default_rewards=["repeat/chars"],
     # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
