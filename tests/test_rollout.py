@@ -284,3 +284,68 @@ def test_suppressed_sampling_and_scoring_are_one_distribution(models, temperatur
     assert_equal_to_naive(
         model, out, logp, entropy, naive_suppressed_logprobs(model, ids, mask, start, temperature)
     )
+
+
+def naive_early_logprobs(model, ids, mask, start, temperature, min_new_tokens):
+    """Log-probs and entropies with pad dropped everywhere and EOS dropped too before ``min_new_tokens``."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, start - 1 : -1] / temperature
+    logps, entropies = [], []
+    for t in range(logits.shape[1]):
+        drop = {PAD_TOKEN_ID} | ({EOS_TOKEN_ID} if t < min_new_tokens else set())
+        keep = [i for i in range(logits.shape[-1]) if i not in drop]
+        logp_all = torch.full_like(logits[:, t], float("-inf"))
+        logp_all[:, keep] = torch.log_softmax(logits[:, t, keep], dim=-1)
+        logps.append(logp_all.gather(-1, ids[:, start + t, None]).squeeze(-1))
+        p_keep = logp_all[:, keep].exp()
+        entropies.append(-(p_keep * logp_all[:, keep]).sum(-1))
+    return torch.stack(logps, 1), torch.stack(entropies, 1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_min_new_tokens_sampling_and_scoring_are_one_distribution(models, temperature):
+    """EOS before ``min_new_tokens`` is never sampled (on a model that would stop at once), and the
+    log-probs, entropies and gradients are those of the distribution without it there."""
+    model = models["tiny-llama"]
+    prompts, seeds = random_prompts(8, seed=12), list(range(8))
+    boosted = EosBoost(model, 4.0)
+    free = sample(boosted, prompts, seeds, temperature=temperature, suppress_tokens=NEVER)
+    assert (free.completion_lengths < 4).any()  # without the rule, rows stop early
+    out = sample(boosted, prompts, seeds, temperature=temperature, suppress_tokens=NEVER, min_new_tokens=4)
+    assert (out.completion_lengths >= 5).all() and not out.is_truncated.all()  # some stop, none before 4
+    ids, mask, start = out.input_ids, out.attention_mask, out.completion_start
+    kw = {"temperature": temperature, "suppress_tokens": NEVER, "eos_token_id": EOS_TOKEN_ID}
+    logp, entropy = sequence_logprobs(model, ids, mask, start, min_new_tokens=4, chunk=3, **kw)
+    naive = naive_early_logprobs(model, ids, mask, start, temperature, 4)
+    assert_equal_to_naive(model, out, logp, entropy, naive)
+    plain, _ = sequence_logprobs(model, ids, mask, start, **kw)
+    assert (logp[:, :4] > plain[:, :4]).all() and torch.equal(logp[:, 4:], plain[:, 4:])
+
+
+def test_min_new_tokens_greedy_equals_hf_generate(models):
+    model = EosBoost(models["tiny-qwen2"], 6.0)  # greedy would stop at once
+    prompts = random_prompts(6, seed=3)
+    ours = sample(model, prompts, list(range(6)), temperature=0.0, max_new_tokens=10, min_new_tokens=3)
+    assert (ours.completion_lengths == 4).all()  # the first EOS allowed is taken
+    ids, mask = left_pad(prompts, PAD_TOKEN_ID)
+    hf = models["tiny-qwen2"]
+    orig = hf.forward
+
+    def boosted(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        out.logits[..., EOS_TOKEN_ID] += 6.0
+        return out
+
+    hf.forward = boosted
+    try:
+        ref = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=10,
+            min_new_tokens=3,
+            eos_token_id=EOS_TOKEN_ID,
+            pad_token_id=PAD_TOKEN_ID,
+        )[:, ids.shape[1] :]
+    finally:
+        del hf.forward
+    assert torch.equal(ours.completion_ids, ref[:, : ours.completion_ids.shape[1]])

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from gpufleet.rl.sampling import never_sampled, next_tokens, suppress_logits
+from gpufleet.rl.sampling import never_sampled, next_tokens, suppress_early, suppress_logits
 
 
 def test_never_sampled_is_a_pad_that_is_no_eos():
@@ -46,3 +46,13 @@ def test_a_suppressed_token_is_never_picked_greedy_or_sampled():
     for temperature in (0.5, 1.0, 2.0):
         picked = next_tokens(suppress_logits(logits, (0,)), uniforms, temperature, 1.0, 0)
         assert picked.tolist() == [1, 2]
+
+
+def test_suppress_early_removes_eos_only_before_the_minimum():
+    logits = torch.zeros(2, 5, 4)  # completion positions 3..7 of a chunk
+    out = suppress_early(logits, 1, first=3, count=5)  # EOS (id 1) barred at positions 3 and 4
+    probs = torch.softmax(out, dim=-1)
+    assert probs[:, :2, 1].eq(0).all() and probs[:, 2:, 1].eq(0.25).all()
+    assert probs[:, :2, 0].allclose(torch.tensor(1 / 3))
+    assert suppress_early(logits, 1, first=5, count=5) is logits  # a chunk past the minimum
+    assert suppress_early(logits, None, first=0, count=5) is logits  # no EOS

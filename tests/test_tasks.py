@@ -75,6 +75,18 @@ def test_repeat_stops_reward_by_hand():
     assert stops(["k:"] * 2, ["", "x"], target=["", ""]) == [1.0, 0.0]
 
 
+def test_repeat_letters_stopped_echo_by_hand():
+    completions = ["kkkkkkkk", "kkkkkkkkk", "kkkkkkkkx", "kxkxkxkx", "kkkk", "", "zzzzzzzzk", "k" * 12]
+    n, target = len(completions), ["kkkkkkkk"] * len(completions)
+    letters = builtin_reward("repeat/letters")(["k:"] * n, completions, target=target)
+    assert letters == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 1.0])
+    stopped = builtin_reward("repeat/stopped")(["k:"] * n, completions, target=target)
+    assert stopped == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    echo = builtin_reward("repeat/echo")(["k:"] * n, completions, target=target)
+    assert echo == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert builtin_reward("repeat/echo")(["k:"], ["k"], target=[""]) == [0.0]
+
+
 def test_repeat_exact_reward():
     exact = builtin_reward("repeat/exact")
     assert exact(["a:"] * 3, ["aaaaaaaa", "aaaaaaa", "aaaaaaaaa"], target=["aaaaaaaa"] * 3) == [1.0, 0.0, 0.0]

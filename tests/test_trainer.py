@@ -177,3 +177,30 @@ def test_local_dataset_columns_reach_rewards(tmp_path):
     parts = trainer.build(job)
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     assert len(scored.completions) == 8 and scored.prompts[0].endswith(":")
+
+
+def test_min_completion_length_in_sampling_every_logprob_and_the_saved_model(tmp_path):
+    """rollout.min_completion_length: EOS has probability 0 before it in the old and reference log-probs
+    as in sampling (the training log-probs: tests/test_rollout.py), and the saved model's generate knows."""
+    job = make_job(
+        tmp_path,
+        "rollout.min_completion_length=5",
+        "algorithm.beta=0.1",
+        "algorithm.num_iterations=2",
+        "train.max_steps=1",
+    )
+    parts = trainer.build(job)
+    scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
+    lengths = scored.rollout.completion_lengths
+    assert ((lengths >= 6) | scored.rollout.is_truncated).all()
+    with torch.no_grad():
+        free = logprobs_of(
+            parts.train_model, scored.batch, 1.0, 8, trainer.autocast_for(job, parts.device), (0,)
+        )
+    for logp in (scored.batch.old_logprobs, scored.batch.ref_logprobs):
+        assert (logp[:, :5] > free[:, :5]).all()  # renormalised without EOS's share
+        torch.testing.assert_close(logp[:, 5:], free[:, 5:], rtol=0, atol=1e-6)
+    trainer.train(job, tmp_path / "run", log=lambda _: None)
+    from transformers import GenerationConfig
+
+    assert GenerationConfig.from_pretrained(tmp_path / "run" / "final").min_new_tokens == 5

@@ -130,6 +130,12 @@ class RolloutSection(Section):
     max_completion_length: int = Field(256, ge=1)
     """Maximum new tokens per completion."""
 
+    min_completion_length: int = Field(0, ge=0)
+    """EOS is never sampled before this many completion tokens (Hugging Face `min_new_tokens`, vLLM
+    `min_tokens`): it has probability 0 there in sampling and in every log-prob (trained, old,
+    reference), so no completion stops early and EOS is never pushed down there. Saved into the model's
+    `generation_config.json` as `min_new_tokens`. 0: off. Below max_completion_length; not for env jobs."""
+
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature (0 = greedy, which gives identical completions in a group)."""
 

@@ -70,10 +70,17 @@ def completion_seed(seed: int, position: int, generation: int) -> int:
 
 @torch.no_grad()
 def logprobs_of(
-    model, batch: GenerationBatch, temperature: float, micro: int, autocast, suppress_tokens=()
+    model,
+    batch: GenerationBatch,
+    temperature: float,
+    micro: int,
+    autocast,
+    suppress_tokens=(),
+    early: tuple[int | None, int] = (None, 0),
 ) -> torch.Tensor:
     """No-grad log-probs of the batch's completions under `model` (old or reference log-probs), `micro`
-    rows at a time, with `suppress_tokens` at probability 0 as in sampling."""
+    rows at a time, with `suppress_tokens` at probability 0 as in sampling, and `early` = (EOS id,
+    min_new_tokens): EOS at probability 0 before min_new_tokens, as in sampling."""
     out = []
     for mb in batch.split(micro):
         with autocast():
@@ -84,6 +91,8 @@ def logprobs_of(
                 mb.completion_start,
                 temperature=temperature,
                 suppress_tokens=suppress_tokens,
+                eos_token_id=early[0],
+                min_new_tokens=early[1],
             )
         out.append(lp.float())
     return torch.cat(out)

@@ -39,6 +39,11 @@ class Parts:
     def device(self) -> torch.device:
         return self.rt.device
 
+    @property
+    def early(self) -> tuple[int | None, int]:
+        """(EOS id, rollout.min_completion_length): EOS has probability 0 before that many tokens."""
+        return self.tokenizer.eos_token_id, self.job.rollout.min_completion_length
+
 
 def build(
     job: Job, rt: Runtime | None = None, weights: Path | None = None, run_dir: Path | None = None
@@ -87,13 +92,13 @@ def build(
         env_weight=job.env.reward_weight if job.env.name else None,
     )
     loss = Loss.from_job(job)
-    suppress_tokens = _suppress_tokens(tokenizer, policy)
+    suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)
     return Parts(
         job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env, suppress_tokens
     )
 
 
-def _suppress_tokens(tokenizer, policy: torch.nn.Module) -> tuple[int, ...]:
+def _suppress_tokens(tokenizer, policy: torch.nn.Module, min_new_tokens: int = 0) -> tuple[int, ...]:
     """The tokens never sampled (see rl/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
     config and generation config name. Written into the policy's generation config (`suppress_tokens`),
     so a saved checkpoint's `generate` leaves them out as training did."""
@@ -102,6 +107,7 @@ def _suppress_tokens(tokenizer, policy: torch.nn.Module) -> tuple[int, ...]:
     tokens = never_sampled(tokenizer.pad_token_id, eos)
     if generation is not None:
         generation.suppress_tokens = list(tokens) or None
+        generation.min_new_tokens = min_new_tokens or None  # rollout.min_completion_length, as trained
     return tokens
 
 
@@ -122,4 +128,5 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
         top_k=ro.top_k,
         all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
         suppress_tokens=p.suppress_tokens,
+        min_new_tokens=ro.min_completion_length,
     ).to(p.device)

@@ -38,7 +38,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_logits
+from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_early, suppress_logits
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
@@ -121,6 +121,7 @@ def generate(
     top_k: int = 0,
     all_done: Callable[[bool], bool] | None = None,
     suppress_tokens: Sequence[int] = (),
+    min_new_tokens: int = 0,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
 
@@ -129,6 +130,7 @@ def generate(
     ``all_done``: when the model's forward is a collective (FSDP), every rank must run the same number
     of steps; this callback turns "my rows are done" into "every rank's rows are done".
     ``suppress_tokens``: ids never sampled, greedy included (``sampling.never_sampled``: a pad that is not EOS).
+    ``min_new_tokens``: EOS is never sampled before this many new tokens (HF's ``min_new_tokens``).
     """
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
@@ -160,6 +162,7 @@ def generate(
                 top_k,
                 all_done,
                 suppress_tokens,
+                min_new_tokens,
             )
     finally:
         model.train(was_training)
@@ -190,6 +193,7 @@ def _decode(
     top_k: int,
     all_done: Callable[[bool], bool] | None = None,
     suppress_tokens: Sequence[int] = (),
+    min_new_tokens: int = 0,
 ) -> Rollout:
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
@@ -207,6 +211,8 @@ def _decode(
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
         logits = suppress_logits(forward(t, step_input, positions), suppress_tokens)
+        if t < min_new_tokens:
+            logits = suppress_logits(logits, (eos_token_id,))
         token = next_tokens(
             logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k
         )
@@ -273,14 +279,19 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
 
 
 def _token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, suppress_tokens: Sequence[int] = ()
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    suppress_tokens: Sequence[int] = (),
+    early: tuple[int | None, int, int] = (None, 0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32,
-    with the ``suppress_tokens`` at probability 0 (where a target is one, padding after EOS, its log-prob is 0)."""
+    with the ``suppress_tokens`` at probability 0 (where a target is one, padding after EOS, its log-prob is 0)
+    and ``early`` = (EOS id, first position of the chunk, min_new_tokens): EOS at probability 0 before it."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    logits = suppress_logits(logits, suppress_tokens)
+    logits = suppress_early(suppress_logits(logits, suppress_tokens), *early)
     log_z = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
@@ -300,11 +311,13 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk: int | None = None,
     suppress_tokens: Sequence[int] = (),
+    min_new_tokens: int = 0,
+    eos_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
 
     Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution);
-    the ``suppress_tokens`` get probability 0, as in ``generate``.
+    the ``suppress_tokens`` get probability 0, and ``eos_token_id`` before ``min_new_tokens``, as in ``generate``.
     Gradients flow into the log-probs when called with grad enabled; the entropy is for metrics and
     carries a gradient too. ``model`` is called once as a whole (so DDP/FSDP wrappers work) with
     ``logits_to_keep`` covering only the completion; the per-token statistics are then taken ``chunk``
@@ -334,6 +347,7 @@ def sequence_logprobs(
             targets[:, start : start + chunk],
             temperature,
             tuple(suppress_tokens),
+            (eos_token_id, start, min_new_tokens),
         )
         if recompute:
             logp, entropy = checkpoint(_token_stats, *piece, use_reentrant=False)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["never_sampled", "suppress_logits", "row_uniforms", "next_tokens"]
+__all__ = ["never_sampled", "suppress_logits", "suppress_early", "row_uniforms", "next_tokens"]
 
 
 def never_sampled(
@@ -48,6 +48,17 @@ def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Ten
         return logits
     index = torch.tensor(list(token_ids), device=logits.device)
     return logits.index_fill(-1, index, torch.finfo(logits.dtype).min)
+
+
+def suppress_early(logits: torch.Tensor, eos_token_id: int | None, first: int, count: int) -> torch.Tensor:
+    """``logits`` (B, C, V) of completion positions ``first .. first + C - 1`` with ``eos_token_id`` at
+    probability 0 at positions below ``count`` (``rollout.min_completion_length``; HF's
+    ``min_new_tokens``). Nothing to do (``count <= first`` or no EOS) returns ``logits`` itself."""
+    early = min(count - first, logits.shape[-2])
+    if eos_token_id is None or early <= 0:
+        return logits
+    head = suppress_logits(logits[..., :early, :], (int(eos_token_id),))
+    return torch.cat([head, logits[..., early:, :]], dim=-2)
 
 
 def row_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:

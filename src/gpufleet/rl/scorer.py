@@ -73,7 +73,13 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
                     p["completion_start"],
                 )
                 out["ref_logprobs"] = logprobs_of(
-                    reference, batch, job.rollout.temperature, micro, autocast, p["suppress_tokens"]
+                    reference,
+                    batch,
+                    job.rollout.temperature,
+                    micro,
+                    autocast,
+                    p["suppress_tokens"],
+                    p["early"],
                 ).cpu()
             if reward_model is not None:
                 out["rm_scores"] = reward_model(p["prompts"], p["completions"])

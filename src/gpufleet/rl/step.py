@@ -70,7 +70,7 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens)
+    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early)
     per_function = p.rewards(
         prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
     )
@@ -108,10 +108,15 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
 
 
 def _ask_scorers(
-    rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str], suppress_tokens=()
+    rt: Runtime,
+    batch: GenerationBatch,
+    prompts: list[str],
+    completions: list[str],
+    suppress_tokens=(),
+    early=(None, 0),
 ) -> dict:
     """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none);
-    the reference scores with the policy's `suppress_tokens` removed, as the policy does."""
+    the reference scores with the policy's `suppress_tokens` (and `early` EOS) removed, as the policy does."""
     if not rt.scorers:
         return {}
     payload = {
@@ -121,6 +126,7 @@ def _ask_scorers(
         "prompts": prompts,
         "completions": completions,
         "suppress_tokens": tuple(suppress_tokens),
+        "early": tuple(early),
     }
     return scorer.request(rt, payload)
 
@@ -145,16 +151,16 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
     micro = t.micro_batch or t.per_device_batch
     if reuse_count(p.job) > 1:  # the batch is reused: keep the generating policy's log-probs
         batch.old_logprobs = logprobs_of(
-            p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens
+            p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early
         )
     if p.reference is not None:
         batch.ref_logprobs = logprobs_of(
-            p.reference, batch, ro.temperature, micro, autocast, p.suppress_tokens
+            p.reference, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early
         )
     elif p.job.algorithm.beta > 0 and p.job.model.use_peft:  # LoRA: the base model is the reference
         with p.policy.disable_adapter():
             batch.ref_logprobs = logprobs_of(
-                p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens
+                p.train_model, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early
             )
     elif "ref_logprobs" in remote:
         batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
@@ -194,6 +200,8 @@ def _accumulate(
             mb.completion_start,
             temperature=p.job.rollout.temperature,
             suppress_tokens=p.suppress_tokens,
+            eos_token_id=p.early[0],
+            min_new_tokens=p.early[1],
         )
         logp = logp.float()
         loss, stats = p.loss(logp, mb, normalizer)

@@ -158,6 +158,25 @@ def sequence_fits_model(ctx: Context):
 
 
 @rule
+def min_completion_below_max(ctx: Context):
+    ro = ctx.job.rollout
+    if ro.min_completion_length and ctx.job.env.name:
+        yield err(
+            [ctx.ref("rollout.min_completion_length"), ctx.ref("env.name")],
+            "min_completion_length applies to single-turn completions; an env job's actions are scored "
+            "inside whole episodes, where it is not implemented.",
+            "--set rollout.min_completion_length=0",
+        )
+    elif 0 < ro.min_completion_length >= ro.max_completion_length:
+        yield err(
+            [ctx.ref("rollout.min_completion_length"), ctx.ref("rollout.max_completion_length")],
+            f"min_completion_length {ro.min_completion_length} >= max_completion_length "
+            f"{ro.max_completion_length}: EOS could never be sampled, so no completion could stop.",
+            f"--set rollout.min_completion_length={ro.max_completion_length - 1} (or 0, off)",
+        )
+
+
+@rule
 def precision_supported(ctx: Context):
     t, m = ctx.job.train, ctx.job.model
     wants_bf16 = t.precision == "bf16" or m.dtype == "bfloat16"

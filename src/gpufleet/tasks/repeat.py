@@ -8,32 +8,37 @@ The reward charges for extra characters, so with a budget longer than 8 the mode
 the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``), and a model trained
 so does not end with <eos> (issue 17 item 8, still open).
 
-Teaching it to stop (issue 17 item 8), measured on the quickstart settings (128 completions/step,
-lr 3e-3, temperature 1, grpo), seed 0 only, 1-3 min each. "Stops": completions/clipped_ratio 0.
-"Letters": ``chars`` near its maximum for the budget.
+Teaching it to stop (issue 17 item 8). Greedy counts are of the 26 prompts a..z giving "xxxxxxxx<eos>"
+(HF ``generate`` on the exported model); "stops": ``completions/clipped_ratio`` 0; seed: train.seed.
 
-* The built-in models' <pad> (id 0) is a live token at random init and decodes to no text, so
-  "kkkkkkkk<pad>" reads "kkkkkkkk", as if it had stopped. Budget 9, 0.5 ``chars`` + 0.5 x (length 8):
-  42% of completions got the length bonus by step 16, nearly all through <pad> (clipped ratio 0.98).
-  Masking pad in sampling only let pad, never sampled, soak up the mass (entropy 2.4 -> 0.05 at step
-  70). Masking it in sampling and in ``sequence_logprobs`` (commit 9a49936 on branch wt-demo, reverted
-  since: gpufleet/rl/rollout.py is outside this task) removes that; the lines below are with it.
-* Budget 9, ``chars`` alone (pad live): letters (0.71 of 0.89 at step 160); never stops (clipped 1.0
-  from step 91 to 168, where it was cut). Budget 9, 0.8 ``chars`` + 0.2 x (length 8): the same at step 400 (0.71).
-* Budget 12, ``chars`` + ``stops`` summed, 0.5/0.5 or 0.8/0.2: stops by step 31-36, then the letters do
-  not come (``chars`` about 0.05 at steps 131-156): the length alone drives the group-normalised
-  advantages of groups with no right letter, which reinforces junk. 0.8/0.2 with
-  algorithm.scale_rewards=batch: the same at step 400. 0.95/0.05 with batch: stops by step 91, letters
-  in part (reward 0.3-0.6 over steps 240-400, several letters mapped to "k"; greedy from the export:
-  "k:" -> "kkkkkkkk<eos>", "a:" -> "qqqqqqqq<eos>"); run on to 1000 steps it stays at 0.2-0.76, then
-  stops stopping (clipped 0.97 at step 961). 0.98/0.02: neither by step 400.
-* Budget 12, ``chars`` x (1 + ``stops``) / 2 (stopping paid only along with a right letter): letters
-  (the truncated maximum 1/3 by step 200), never stops (clipped 1.0 from step 60). With precision
-  (right / produced) in place of ``chars``: neither by step 400.
+* <pad> (id 0) decodes to no text, so "kkkkkkkk<pad>" read as a stop; since rl/sampling.py it is never
+  sampled nor scored. Without a minimum length (budgets 9-16, rewards ``chars``, ``chars`` + ``stops``,
+  bonuses, gating, ``dr_grpo``, ``scale_rewards`` batch, beta 0.04): either the letters come first and
+  <eos> at position 9 dies (the copy learned for positions 2-8 carries over; a completion that stops
+  early pushes <eos> down at every position), or a letter-free stop signal wins first and the letters
+  collapse onto one letter. Best: budget 9, ``loss_type`` dapo, letters of the first 8 + 0.5 x stopped
+  - 0.5 x (9th repeats the letter): greedy 22/26, 21/26 (seeds 0, 1), 13/26 (seed 3); seeds 2 and 4
+  not by step 400.
+* With ``rollout.min_completion_length`` 8 (<eos> at probability 0 before 8 tokens in sampling and in
+  every log-prob, as HF's ``min_new_tokens``), budget 9, dapo, 400 steps, the stop is solved: early
+  stoppers no longer exist, so nothing pushes <eos> down. ``chars`` alone: clipped 0.57, greedy 12/26
+  (seed 0; the letters come first, <eos> at 9 is lost prompt by prompt). ``letters`` + 0.5 ``stopped``
+  - 0.5 ``echo``: stops by step 60 on all 5 seeds (clipped 0.00-0.02 at 400), but the strong stop
+  signal, paid whatever the letters, then slows them and partly collapses them (several prompts share
+  a letter): ``letters`` 0.86, 0.22, 0.91, 0.80, 0.56 at step 400, greedy 23, 7, 24, 21, 17 of 26
+  (seeds 0-4). Seed 0, worse: without ``echo`` (0.83), stop x letters (clipped 0.36), cosine lr (0.18),
+  ``dr_grpo`` (0.06, one letter for all); 600 steps on seed 1 without ``echo``: 0.81-0.93.
+* Best: the same with a stop weight of 0.1, ``letters`` + 0.1 ``stopped`` - 0.5 ``echo``
+  (``examples/quickstart-eos.yaml``): it still stops by step 60, and the letters suffer less. Seeds
+  0-4 at step 400 (mean of the last 20 steps): ``letters`` 1.00, 0.85, 0.91, 0.96, 0.78; clipped
+  0.00, 0.01, 0.00, 0.01, 0.03; greedy 26, 24, 25, 23, 22 of 26 (the misses: another letter, or 7
+  or 9 of it, then <eos>). Greedy counts are with ``min_new_tokens`` 8, which the exported
+  ``generation_config.json`` carries; forced to 0, many prompts stop at once (seed 1: 16 misses,
+  mostly a bare <eos>), as <eos> before 8 is never trained. 3-4 min a run here (~1 s/step on a loaded 2-core machine).
 
-Either the stop is learned first, from a letter-free signal, and the letters then come slowly, or the
-letters come first and <eos> at position 9 is not sampled again. Untried: a curriculum on the budget,
-an entropy bonus, more steps or seeds.
+Every seed stops and 5 in 5 exports give >= 22/26, but the letters reach 0.95 by step 400 on 2 seeds
+in 5 only, so the quickstart keeps the budget of 8 (no stop). Next to try: more steps (seed 1 was
+still rising at 400), a curriculum on the stop weight, an entropy bonus, a larger model or batch.
 """
 
 from __future__ import annotations
@@ -78,6 +83,32 @@ def length_score(length: int, n: int) -> float:
     return max(0.0, 1.0 - (2 * over if over > 0 else -over) / n)
 
 
+def letters(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """Right characters among the first len(target), over len(target); what follows does not count."""
+    targets = column(columns, "target", len(completions), "repeat/letters")
+    return [
+        sum(a == b for a, b in zip(as_text(c), str(t), strict=False)) / max(len(str(t)), 1)
+        for c, t in zip(completions, targets, strict=True)
+    ]
+
+
+def stopped(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """1.0 when the completion is exactly as long as the target (it ended right after it), else 0.0."""
+    targets = column(columns, "target", len(completions), "repeat/stopped")
+    return [float(len(as_text(c)) == len(str(t))) for c, t in zip(completions, targets, strict=True)]
+
+
+def echo(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
+    """1.0 when the character after the target's length repeats the target's first (the letter copied
+    on instead of stopping), else 0.0: a penalty, with a negative weight."""
+    targets = column(columns, "target", len(completions), "repeat/echo")
+    out: list[float | None] = []
+    for c, t in zip(completions, targets, strict=True):
+        text, target = as_text(c), str(t)
+        out.append(float(bool(target) and len(text) > len(target) and text[len(target)] == target[0]))
+    return out
+
+
 def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """1.0 when the completion is exactly the target, else 0.0 (a metric more than a training signal)."""
     targets = column(columns, "target", len(completions), "repeat/exact")
@@ -88,7 +119,14 @@ TASK = Task(
     name="repeat",
     description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
     make_example=make_example,
-    reward_functions={"chars": chars, "stops": stops, "exact": exact},
+    reward_functions={
+        "chars": chars,
+        "stops": stops,
+        "exact": exact,
+        "letters": letters,
+        "stopped": stopped,
+        "echo": echo,
+    },
     default_rewards=["repeat/chars"],
     # Measured with a minimal GRPO loop (PPO-clip, ratio 1, no KL, AdamW, grad clip 1.0) on 2 shared CPU
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
