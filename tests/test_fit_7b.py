@@ -4,6 +4,7 @@ the compute dtype, LoRA as a planned fix for a 7B GRPO on 24 GB cards."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,10 @@ def test_fsdp_bf16_gathers_bf16_parameters_and_keeps_fp32_masters(capsys):
     n = json.loads(out)["plan"]["model"]["parameters"]
     assert d["detail"]["autocast_weight_copies"] == 0
     assert d["grads"] == pytest.approx(4 * n / 4, rel=0.01)  # fp32 gradients, a quarter each
-    assert d["detail"]["reference_weights"] == 2 * n  # the frozen reference in bf16
+    assert d["detail"]["reference_weights"] == 2 * math.ceil(n / 4)  # the frozen reference: bf16, 1/4
+    # its root unit (embeddings 152064 x 3584, untied head, final norm) and two layers gathered to score
+    root, layer = 2 * 152064 * 3584 + 3584, (n - 2 * 152064 * 3584 - 3584) // 28
+    assert d["detail"]["reference_gathered"] == 2 * (root + 2 * layer)
 
 
 def _train(run: Path, *sets: str) -> subprocess.CompletedProcess:

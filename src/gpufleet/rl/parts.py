@@ -67,11 +67,17 @@ def build(
     if rt.distributed and rt.policy_size > 1:
         from gpufleet.parallel import wrap_policy
 
-        train_model = wrap_policy(policy, job.placement.strategy, rt, fsdp_param_dtype(job, rt.policy_size))
+        pl = job.placement
+        dtype = fsdp_param_dtype(job, rt.policy_size)
+        train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
     reference = None
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
         reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
+        if sharded_reference(job, rt):  # 1/N of the reference per policy rank
+            from gpufleet.parallel import shard_frozen
+
+            reference = shard_frozen(reference, rt)
     env = source = None
     if job.env.name:
         from gpufleet.env.connect import open_pool
@@ -91,6 +97,11 @@ def build(
     return Parts(
         job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env, suppress_tokens
     )
+
+
+def sharded_reference(job: Job, rt: Runtime) -> bool:
+    """A colocated reference is sharded with FSDP2 over the policy ranks when the policy is."""
+    return rt.distributed and rt.policy_size > 1 and job.placement.strategy == "fsdp"
 
 
 def _suppress_tokens(tokenizer, policy: torch.nn.Module) -> tuple[int, ...]:
