@@ -27,7 +27,10 @@ LORA = ("model.use_peft=true", "model.lora_target_modules=all-linear", "train.le
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-qwen2", "builtin:tiny-llama", "builtin:small-qwen2"])
-@pytest.mark.parametrize("targets", [None, ["all-linear"], ["q_proj", "k_proj", "o_proj", "down_proj"]])
+@pytest.mark.parametrize(
+    "targets",
+    [None, ["all-linear"], ["q_proj", "k_proj", "o_proj", "down_proj"], ["q_proj", "v_proj", "lm_head"]],
+)
 def test_adapter_count_equals_peft(model, targets):
     section = ModelSection(use_peft=True, lora_target_modules=targets, lora_r=8)
     config = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
@@ -148,12 +151,14 @@ def test_lora_kill9_then_resume_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_export_writes_the_adapter_and_merge_writes_one_model_with_the_same_logits(tmp_path, capsys):
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj,lm_head"])
+def test_export_writes_the_adapter_and_merge_writes_one_model_with_the_same_logits(tmp_path, capsys, targets):
+    """With an adapter on the (tied) output head the merged model gets its own head: the same logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    p = train(run, "train.max_steps=2")
+    p = train(run, "train.max_steps=2", f"model.lora_target_modules={targets}")
     assert p.returncode == 0, p.stdout + p.stderr
     code, out = run_cli(capsys, ["export", str(run), "--to", str(tmp_path / "adapter")])
     assert code == 0 and "PeftModel.from_pretrained" in out, out

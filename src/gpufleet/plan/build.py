@@ -33,6 +33,7 @@ from gpufleet.plan.memory import (
     train_activations,
     train_state_bytes,
     training_precision,
+    with_adapter,
 )
 from gpufleet.plan.overhead import HOST_OVERHEAD, overhead_bytes
 from gpufleet.plan.shape import Models
@@ -45,7 +46,12 @@ def adapter_parameters(job, arch) -> int | None:
         return None
     from gpufleet.models.lora import trainable_parameters
 
-    config = {
+    return trainable_parameters(_lora_config(arch), job.model)
+
+
+def _lora_config(arch) -> dict:
+    """The config.json fields models/lora.py counts from."""
+    return {
         "model_type": arch.model_type,
         "hidden_size": arch.hidden_size,
         "num_attention_heads": arch.num_heads,
@@ -53,8 +59,8 @@ def adapter_parameters(job, arch) -> int | None:
         "head_dim": arch.head_dim,
         "intermediate_size": arch.intermediate_size,
         "num_hidden_layers": arch.num_layers,
+        "vocab_size": arch.vocab_size,
     }
-    return trainable_parameters(config, job.model)
 
 
 def micro_batch(r: Resolved) -> int:
@@ -124,6 +130,20 @@ class Parts:
     """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
 
 
+def _activations(job, pol, run: Precision, sizes: dict) -> Activations:
+    """One training micro-batch's activations (memory.py), with a LoRA adapter's when there is one."""
+    acts = train_activations(
+        pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
+    )
+    if not job.model.use_peft:
+        return acts
+    from gpufleet.models.lora import adapted_width
+
+    tokens = sizes["batch"] * (sizes["prompt_tokens"] + sizes["completion_tokens"])
+    width = adapted_width(_lora_config(pol.arch), job.model)
+    return with_adapter(acts, adapter_parameters(job, pol.arch), width, tokens, run)
+
+
 def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
     job, pol = r.job, models.policy
     t, P, T = job.train, job.rollout.max_prompt_length, job.completion_tokens()
@@ -161,9 +181,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     staging = math.ceil(units * prec.weight_bytes / lay.shards) if lay.offload else 0
     return Parts(
         state=state,
-        acts=train_activations(
-            pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
-        ),
+        acts=_activations(job, pol, run, sizes),
         roll=rollout_bytes(
             pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
         ),
