@@ -55,7 +55,10 @@ def build(
     tokenizer = load_tokenizer(job.model.path)
     peft = job.model.use_peft  # LoRA: the base from model.path, the adapter from the checkpoint
     base = job.model.path if peft else str(weights or job.model.path)
-    policy = load_causal_lm(base, dtype=model_dtype(job), device=str(rt.device))
+    # Under FSDP the model loads on the CPU and fully_shard moves each unit to the device as it shards
+    # it: a GPU never holds the whole model (a 7B in fp32 is 30 GB).
+    load_on = "cpu" if sharded(job, rt) else str(rt.device)
+    policy = load_causal_lm(base, dtype=model_dtype(job), device=load_on)
     if peft:
         from gpufleet.models import lora
 
@@ -72,9 +75,9 @@ def build(
         train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
     reference = None
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
-        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
+        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=load_on).eval()
         reference.requires_grad_(False)
-        if sharded_reference(job, rt):  # 1/N of the reference per policy rank
+        if sharded(job, rt):  # 1/N of the reference per policy rank
             from gpufleet.parallel import shard_frozen
 
             reference = shard_frozen(reference, rt)
@@ -99,8 +102,8 @@ def build(
     )
 
 
-def sharded_reference(job: Job, rt: Runtime) -> bool:
-    """A colocated reference is sharded with FSDP2 over the policy ranks when the policy is."""
+def sharded(job: Job, rt: Runtime) -> bool:
+    """FSDP2 over several policy ranks: the policy is sharded, and so is a colocated reference."""
     return rt.distributed and rt.policy_size > 1 and job.placement.strategy == "fsdp"
 
 
@@ -120,7 +123,7 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
     """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
     the sharded model, together (every rank must call this the same number of times)."""
     rt, ro = p.rt, p.job.rollout
-    fsdp = rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1
+    fsdp = sharded(p.job, rt)
     return generate(
         p.train_model if fsdp else p.policy,
         prompt_ids,
