@@ -165,7 +165,8 @@ LEGEND = (
     "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
     "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
     "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
-    "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers"
+    "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers "
+    "(and, with offload, their shards staged on the GPU); scoring includes a sharded reference's gathered layers"
 )
 
 
