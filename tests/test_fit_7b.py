@@ -4,6 +4,7 @@ the compute dtype, LoRA as a planned fix for a 7B GRPO on 24 GB cards."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import process_env, run_cli
+from helpers import console_script, process_env, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+FULL = ROOT / "examples" / "grpo-7b-4x24gb.yaml"
+LORA = ROOT / "examples" / "grpo-7b-lora.yaml"
 QUICK = str(ROOT / "examples" / "quickstart.yaml")
 JOB_7B = [
     str(ROOT / "examples" / "gsm8k-qwen05b.yaml"),
@@ -35,6 +39,108 @@ def test_plan_finds_lora_for_a_7b_grpo_on_24gb_cards(gpus, capsys):
     assert code == 0, again  # re-planned: it fits
 
 
+def _plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out = run_cli(capsys, ["plan", *argv, "--format", "json"])
+    return code, json.loads(out)
+
+
+def test_7b_on_4x24gb_fixes_are_full_fine_tuning_with_offload_and_lora(capsys):
+    """The issue's job on 4x24GB: full fine-tuning (FSDP + bf16 mixed precision + the sharded reference +
+    CPU offload) and LoRA, each re-planned with its per-device and host bytes, listed by group (the same
+    training first, then LoRA) and by expected time within each group."""
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB")
+    assert code == 2
+    fixes = data["fixes"]
+    full = [f for f in fixes if "placement.offload=params" in f["command"] and "use_peft" not in f["command"]]
+    lora = [f for f in fixes if "model.use_peft=true" in f["command"]]
+    assert full and lora, [f["command"] for f in fixes]
+    assert fixes.index(full[0]) < fixes.index(lora[0])  # the same training before a different one
+    order = [(f["group"], f["expected_time_per_completion"]) for f in fixes]
+    assert order == sorted(order)
+    host = full[0]["host"]
+    assert host["checked"] and host["capacity_source"] == "assumed"
+    assert host["total_bytes"] <= 0.9 * host["capacity_bytes"] == 0.9 * 2 * 4 * 24 * GiB
+    for f in (full[0], lora[0]):
+        assert all(d["headroom"] >= 0.1 for d in f["devices"]) and len(f["devices"]) == 4
+        code, again = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB", *f["command"].split())
+        assert code == 0 and again["plan"]["comfortable"], f["command"]
+        assert [d["total_bytes"] for d in again["plan"]["devices"]] == [
+            d["total_bytes"] for d in f["devices"]
+        ]
+
+
+@pytest.mark.parametrize(
+    "gpus, full_fits", [("2x24GB,host=256GB", True), ("2x24GB", False), ("1x24GB,host=1TB", False)]
+)
+def test_7b_on_fewer_cards_says_what_fits(gpus, full_fits, capsys):
+    """2x24GB: LoRA, and full fine-tuning with offload where the host holds ~148 GiB (not the 96 GiB
+    assumed for 2 cards); 1x24GB: LoRA (offload needs FSDP over 2+ ranks)."""
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", gpus)
+    commands = [f["command"] for f in data["fixes"]]
+    assert any("model.use_peft=true" in c for c in commands), commands
+    full = [c for c in commands if "placement.offload=params" in c and "use_peft" not in c]
+    assert bool(full) == full_fits, commands
+
+
+def test_offload_plan_puts_the_sharded_state_in_host_ram(capsys):
+    """By hand: 4 ranks, fp32 shards of n parameters: weights 4 + grads 4 + AdamW 8 + the foreach step's
+    temporary 4 = 20 bytes per local parameter in host RAM, none of it on the GPU; plus 3 GiB per process."""
+    sets = ["--set", "placement.strategy=fsdp", "--set", "placement.offload=params"]
+    sets += ["--set", "train.precision=bf16", "--set", "train.micro_batch=1"]
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB,host=256GB", *sets)
+    assert code == 0
+    plan = data["plan"]
+    n = plan["model"]["parameters"]
+    shard = math.ceil(n / 4)
+    host = plan["host"]
+    assert host["offloaded_bytes"] == 4 * 20 * shard
+    assert host["overhead_bytes"] == 4 * 3 * GiB and host["capacity_bytes"] == 256 * GiB
+    p = plan["devices"][0]["processes"][0]
+    assert p["grads"] == 0 and p["optimizer"] == 0 and p["phases"]["optimizer step"] == 0
+    assert p["weights"] == 2 * shard  # only the sharded bf16 reference stays on the GPU
+    root, layer = 2 * 152064 * 3584 + 3584, (n - 2 * 152064 * 3584 - 3584) // 28
+    units = root + 3 * layer  # gathered in bf16 + their fp32 shards staged on the GPU
+    assert p["detail"]["fsdp_gathered"] == 2 * units + math.ceil(units * 4 / 4)
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB,host=128GB", *sets)
+    assert code == 2 and not data["plan"]["host"]["fits"]  # 154 GiB do not go into 128
+
+
+@pytest.mark.parametrize(
+    "gpus, sets, says",
+    [
+        ("cpu", [], "on a CPU run"),
+        ("2x24GB", ["placement.strategy=ddp"], "--set placement.strategy=fsdp"),
+        ("1x24GB", ["placement.strategy=fsdp"], "run 2 or more policy ranks"),
+        ("4x24GB,host=64GB", [], "but the host has 64.00 GiB (stated in --gpus"),
+    ],
+)
+def test_check_refuses_offload_that_cannot_work(gpus, sets, says, tmp_path):
+    """Through the installed command: one line naming placement.offload, with the fix, exit 2."""
+    argv = [console_script(), "check", str(FULL), "--gpus", gpus]
+    for s in sets:
+        argv += ["--set", s]
+    p = subprocess.run(argv, capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "error: placement.offload" in p.stdout and says in p.stdout, p.stdout
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "example, gpus", [(FULL, "4x24GB"), (FULL, "4x24GB,host=256GB"), (LORA, "1x24GB"), (LORA, "2x24GB")]
+)
+def test_examples_check_and_plan_pass(example, gpus, tmp_path):
+    for verb in ("check", "plan"):
+        p = subprocess.run(
+            [console_script(), verb, str(example), "--gpus", gpus],
+            capture_output=True,
+            text=True,
+            env=process_env(),
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_fsdp_bf16_gathers_bf16_parameters_and_keeps_fp32_masters(capsys):
     """The plan of FSDP + bf16: no autocast weight copies, the gathered units in bf16, fp32 shards."""
     sets = [
@@ -50,7 +156,10 @@ def test_fsdp_bf16_gathers_bf16_parameters_and_keeps_fp32_masters(capsys):
     n = json.loads(out)["plan"]["model"]["parameters"]
     assert d["detail"]["autocast_weight_copies"] == 0
     assert d["grads"] == pytest.approx(4 * n / 4, rel=0.01)  # fp32 gradients, a quarter each
-    assert d["detail"]["reference_weights"] == 2 * n  # the frozen reference in bf16
+    assert d["detail"]["reference_weights"] == 2 * math.ceil(n / 4)  # the frozen reference: bf16, 1/4
+    # its root unit (embeddings 152064 x 3584, untied head, final norm) and two layers gathered to score
+    root, layer = 2 * 152064 * 3584 + 3584, (n - 2 * 152064 * 3584 - 3584) // 28
+    assert d["detail"]["reference_gathered"] == 2 * (root + 2 * layer)
 
 
 def _train(run: Path, *sets: str) -> subprocess.CompletedProcess:

@@ -120,3 +120,19 @@ def test_check_uses_visible_devices(tmp_path, capsys, monkeypatch):
     assert code == 0, out
     code, out = run_cli(capsys, ["check", "job.yaml"], {"CUDA_VISIBLE_DEVICES": "0,2"})
     assert code == 2 and "device 1 (Tesla V100-SXM2-32GB" in out
+
+
+def test_host_ram_in_a_what_if_spec():
+    """`,host=SIZE` states a node's host RAM; without it a GPU spec's host is assumed to have twice its
+    GPUs' memory (a CPU spec keeps this machine's)."""
+    from gpufleet.hardware import parse_gpu_spec
+
+    stated = parse_gpu_spec("4x24GB,host=256GB")
+    assert (len(stated.devices), stated.ram_bytes, stated.ram_source) == (4, 256 * 1024**3, "stated")
+    assert parse_gpu_spec("0:24GB,host=1T,1:16GB").ram_bytes == 1024**4
+    assumed = parse_gpu_spec("2x24GB")
+    assert (assumed.ram_bytes, assumed.ram_source) == (2 * 2 * 24 * 1024**3, "assumed")
+    assert parse_gpu_spec("cpu").ram_source == "this machine"
+    for bad in ("4x24GB,host=lots", "4x24GB,host=1T,host=2T"):
+        with pytest.raises(UserError, match="host RAM size"):
+            parse_gpu_spec(bad)

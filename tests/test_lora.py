@@ -27,7 +27,10 @@ LORA = ("model.use_peft=true", "model.lora_target_modules=all-linear", "train.le
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-qwen2", "builtin:tiny-llama", "builtin:small-qwen2"])
-@pytest.mark.parametrize("targets", [None, ["all-linear"], ["q_proj", "k_proj", "o_proj", "down_proj"]])
+@pytest.mark.parametrize(
+    "targets",
+    [None, ["all-linear"], ["q_proj", "k_proj", "o_proj", "down_proj"], ["q_proj", "v_proj", "lm_head"]],
+)
 def test_adapter_count_equals_peft(model, targets):
     section = ModelSection(use_peft=True, lora_target_modules=targets, lora_r=8)
     config = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
@@ -148,12 +151,14 @@ def test_lora_kill9_then_resume_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_export_writes_the_adapter_and_merge_writes_one_model_with_the_same_logits(tmp_path, capsys):
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj,lm_head"])
+def test_export_writes_the_adapter_and_merge_writes_one_model_with_the_same_logits(tmp_path, capsys, targets):
+    """With an adapter on the (tied) output head the merged model gets its own head: the same logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    p = train(run, "train.max_steps=2")
+    p = train(run, "train.max_steps=2", f"model.lora_target_modules={targets}")
     assert p.returncode == 0, p.stdout + p.stderr
     code, out = run_cli(capsys, ["export", str(run), "--to", str(tmp_path / "adapter")])
     assert code == 0 and "PeftModel.from_pretrained" in out, out
@@ -174,3 +179,20 @@ def test_check_refuses_lora_targets_that_do_not_exist(capsys):
                  "model.lora_target_modules=q_proj,qkv"],
     )  # fmt: skip
     assert code == 2 and "model.lora_target_modules" in out and "all-linear" in out, out
+
+
+@pytest.mark.slow
+def test_lora_grpo_learns_the_builtin_task(tmp_path):
+    """examples/quickstart-lora.yaml (adapters on every projection and on lm_head) through the installed
+    command: reward <= 0.1 at the start, >= 0.8 by the end (300 steps)."""
+    from helpers import console_script
+
+    run = tmp_path / "run"
+    argv = [console_script(), "train", str(ROOT / "examples" / "quickstart-lora.yaml"), "--gpus", "cpu"]
+    argv += ["--set", f"output.dir={run}"]
+    p = subprocess.run(argv, capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=1800)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rewards = [json.loads(x)["reward"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rewards) == 300
+    assert max(rewards[:5]) <= 0.1 and sum(rewards[-10:]) / 10 >= 0.8, (rewards[:5], rewards[-10:])
+    assert (run / "final" / "adapter_config.json").is_file()

@@ -254,13 +254,15 @@ def test_every_fix_re_plans_comfortably(tmp_path):
     assert not plan.fits
     fixes = find_fixes(r, hw, {}, models)
     kinds = [f.kind.split(" (")[0] for f in fixes]
-    assert kinds[:4] == [
+    assert {
         "smaller micro-batch",
         "gradient checkpointing",
         "dedicated scorer device",
         "FSDP over the same GPUs",
-    ]
-    assert kinds[4] == "FSDP over 3 GPUs"
+    } <= set(kinds), kinds
+    # listed by group (the same training, LoRA, other GPUs or less data), fastest expected first in each
+    assert [(f.group, f.cost) for f in fixes] == sorted((f.group, f.cost) for f in fixes)
+    assert kinds.index("smaller micro-batch") < kinds.index("gradient checkpointing")  # 1.2x < 1.3x
     for f in fixes:
         gpus, sets = split_command(f.command())
         r2 = load_job(job, sets, {})

@@ -20,7 +20,9 @@ from functools import partial
 
 from gpufleet.errors import EXIT_USER_ERROR, UserError
 
-WHAT_IF = "auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB"
+WHAT_IF = (
+    "auto (detect), cpu, 4x24GB, 2xA100-80GB, 0:24GB,1:16GB; add ,host=256GB to state the host RAM per node"
+)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -70,10 +70,12 @@ def env_rank(env: Mapping[str, str] | None = None) -> tuple[int, int, int, int]:
     )
 
 
-def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
+def init(topo: Topology, *, cpu: bool, timeout_s: int = 600, host_collectives: bool = False) -> Runtime:
     """This process's place (rank from the environment, role and device from the topology), and the
     process groups. The same call for `python` and `torchrun` alike: without torchrun's variables the
-    process is rank 0 of 1, picks its device and needs no process group."""
+    process is rank 0 of 1, picks its device and needs no process group. `host_collectives`: GPU groups
+    also get a gloo backend for tensors in host memory (`placement.offload`: FSDP2's offloaded gradients
+    are CPU DTensors, and clipping their norm all-reduces on the CPU; NCCL has no CPU backend)."""
     rank, world, _, _ = env_rank()
     places = topo.places()
     here = topo.place(rank, world)
@@ -84,7 +86,7 @@ def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
     rt = Runtime(rank, world, here.local, here.node, here.role, here.roles, policy_ranks, device)
     if world == 1:
         return rt
-    _init_process_group(rank, world, device, timeout_s)
+    _init_process_group(rank, world, device, timeout_s, host_collectives)
     # Every rank takes part in creating every group (new_group is collective over the world).
     rt.policy_group = dist.new_group(policy_ranks, timeout=timedelta(seconds=timeout_s))
     # One group per scorer: that scorer and the policy ranks of its node (objects travel over gloo).
@@ -98,9 +100,14 @@ def init(topo: Topology, *, cpu: bool, timeout_s: int = 600) -> Runtime:
     return rt
 
 
-def _init_process_group(rank: int, world: int, device: torch.device, timeout_s: int) -> None:
-    """NCCL on GPUs, gloo on the CPU, over torchrun's store under a per-attempt prefix."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def _init_process_group(
+    rank: int, world: int, device: torch.device, timeout_s: int, host_collectives: bool = False
+) -> None:
+    """NCCL on GPUs (plus gloo for host tensors when asked), gloo on the CPU, over torchrun's store
+    under a per-attempt prefix."""
+    backend = "gloo"
+    if device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
     # torchrun keeps one store across restarts: without a per-attempt prefix, a restarted worker reads
     # the addresses its dead predecessors published for the sub-groups and fails to connect.
     from torch.distributed.rendezvous import rendezvous

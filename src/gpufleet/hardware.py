@@ -9,6 +9,8 @@ What-if specs (`--gpus`):
     4x24GB                   four GPUs of 24 GiB (GB is read as GiB: a "24 GB" card has 24 GiB)
     2xA100-80GB, 2xV100      a known model, with or without its memory size
     0:24GB,1:24GB,2:16GB     per device, ids 0..n-1 in any order (each may name a model too)
+    4x24GB,host=256GB        any of these with the host RAM of each node (without it a GPU spec's host
+                             is assumed to have HOST_RAM_PER_GPU_MEMORY x its GPUs' memory)
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from gpufleet.devicestate import GpuProcess, Link, links, processes, query
 from gpufleet.errors import UserError
 
 GiB = 1024**3
+
+HOST_RAM_PER_GPU_MEMORY = 2
+"""A GPU what-if spec without `host=`: its node is assumed to have this many times its GPUs' memory of
+host RAM (common for GPU servers: 4x24GB cards in a 192 GB host; 8x80GB in 1-2 TB)."""
 
 # Known GPU models: name -> (compute capability, bf16 support, default memory in GiB).
 GPU_MODELS: dict[str, tuple[float, bool, int]] = {
@@ -92,6 +98,10 @@ class Hardware:
     """`detected`, `spec <text>` or `cpu`."""
     cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
     ram_bytes: int = 0
+    """Host RAM of one node: this machine's, what a what-if spec states (`,host=256GB`), or assumed."""
+    ram_source: str = "this machine"
+    """Where `ram_bytes` comes from: `this machine`, `stated` (--gpus ...,host=) or `assumed` (a GPU
+    what-if spec without host=: HOST_RAM_PER_GPU_MEMORY x the GPUs' memory)."""
     links: tuple[Link, ...] = ()
     """P2P between every pair of detected devices (none for a what-if spec: unknown)."""
 
@@ -171,7 +181,32 @@ def _parse_device_kind(text: str, index: int, spec: str) -> Device:
 
 def parse_gpu_spec(spec: str) -> Hardware:
     """Parse a `--gpus` what-if spec (see the module docstring). Raises UserError naming the fix."""
-    text = spec.strip()
+    text, host = _host_part(spec)
+    hw = _parse_devices(spec, text)
+    if host is not None:
+        return replace(hw, ram_bytes=host, ram_source="stated")
+    if hw.is_cpu:
+        return hw
+    gpus = sum(d.total_bytes for d in hw.devices)
+    return replace(hw, ram_bytes=HOST_RAM_PER_GPU_MEMORY * gpus, ram_source="assumed")
+
+
+def _host_part(spec: str) -> tuple[str, int | None]:
+    """`4x24GB,host=256GB` -> ("4x24GB", bytes of 256 GiB); no host part: (spec, None)."""
+    parts = [p.strip() for p in spec.strip().split(",")]
+    hosts = [p for p in parts if p.lower().startswith("host=")]
+    if not hosts:
+        return spec.strip(), None
+    size = parse_size(hosts[-1].split("=", 1)[1])
+    if size is None or len(hosts) > 1:
+        raise UserError(
+            f"--gpus {spec!r}: {', '.join(hosts)} is not one host RAM size.",
+            fix="state it once, like 4x24GB,host=256GB",
+        )
+    return ",".join(p for p in parts if p not in hosts), size
+
+
+def _parse_devices(spec: str, text: str) -> Hardware:
     if text.lower() == "cpu":
         return cpu_hardware("spec cpu")
     example = "use cpu, 4x24GB, 2xA100-80GB or 0:24GB,1:24GB,2:16GB"

@@ -1,8 +1,9 @@
 """Policy parallelism, applied once in a fixed place: DDP or FSDP2 over the policy ranks only.
 
-The reference / reward models never join these groups: policy gradients are reduced only inside
-the policy process group. FSDP2 (`torch.distributed.fsdp.fully_shard`) shards every decoder layer and
-then the root (embeddings, final norm, head), on a 1-D mesh made from the policy group.
+Policy gradients are reduced only inside the policy process group. FSDP2
+(`torch.distributed.fsdp.fully_shard`) shards every decoder layer and then the root (embeddings, final
+norm, head), on a 1-D mesh made from the policy group. Under FSDP a colocated reference model is
+sharded the same way over the same group (`shard_frozen`): frozen, no gradients ever reduced.
 """
 
 from __future__ import annotations
@@ -22,29 +23,64 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def wrap_policy(
-    policy: torch.nn.Module, strategy: str, rt: Runtime, param_dtype: torch.dtype | None = None
+    policy: torch.nn.Module,
+    strategy: str,
+    rt: Runtime,
+    param_dtype: torch.dtype | None = None,
+    offload: str = "none",
 ) -> torch.nn.Module:
     """DDP or FSDP2 over the policy group. `param_dtype` (FSDP): mixed precision, parameters gathered in
-    that dtype and resharded after use, gradients reduced in float32 into the fp32 sharded master weights."""
+    that dtype and resharded after use, gradients reduced in float32 into the fp32 sharded master weights.
+    `offload` (FSDP, `placement.offload`): `params` or `optimizer`, FSDP2's CPUOffloadPolicy: the sharded
+    parameters, their gradients and the AdamW states live in host memory (the optimizer step runs on the
+    CPU); each unit is copied to the GPU for its all-gather."""
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         return DistributedDataParallel(policy, device_ids=ids, process_group=rt.policy_group)
     if strategy == "fsdp":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mesh = DeviceMesh.from_group(rt.policy_group, rt.device.type)
         mp = (
             MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         )
-        kw = {"mp_policy": mp} if mp is not None else {}
-        for layer in decoder_layers(policy):
-            fully_shard(layer, mesh=mesh, **kw)
-        fully_shard(policy, mesh=mesh, **kw)
-        return policy
+        kw: dict = {"mp_policy": mp} if mp is not None else {}
+        if offload != "none":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+        return _shard(policy, rt, **kw)
     raise ValueError(f"unknown placement.strategy {strategy!r}")
+
+
+def _shard(model: torch.nn.Module, rt: Runtime, **kw) -> torch.nn.Module:
+    """FSDP2 over the policy group: every decoder layer, then the root (embeddings, final norm, head)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(rt.policy_group, rt.device.type)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def shard_frozen(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """A frozen model (the reference) sharded like the policy: 1/N of its weights per policy rank, each
+    layer gathered for its forward and freed after; no gradients, no mixed-precision policy (it is
+    loaded in the compute dtype). Every policy rank must run its forwards the same number of times."""
+    model.requires_grad_(False)
+    return _shard(model, rt)
+
+
+def release(model: torch.nn.Module | None) -> None:
+    """Free what FSDP2 keeps gathered after a no-grad forward: the root unit waits for a backward that
+    a frozen model never runs (a no-op for a plain model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def full_state_dict(model: torch.nn.Module, rt: Runtime) -> dict[str, torch.Tensor] | None:

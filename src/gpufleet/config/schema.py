@@ -213,7 +213,15 @@ class PlacementSection(Section):
     """Where the reward model lives: like `reference`. Roles placed on the same ids share one scorer rank."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """Policy parallelism: DistributedDataParallel (a full replica per rank) or FSDP2 (sharded)."""
+    """Policy parallelism: DistributedDataParallel (a full replica per rank) or FSDP2 (sharded). Under
+    FSDP over several ranks a colocated reference model is sharded the same way (1/N per rank)."""
+
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """Keep training state in host (CPU) memory, FSDP on GPUs only (FSDP2's CPUOffloadPolicy, as verl's
+    offload): `params` puts the sharded fp32 parameters, their gradients and the AdamW states in pinned
+    host memory; the optimizer step runs on the CPU and each unit is copied to the GPU for its all-gather.
+    `optimizer` is the same mechanism (FSDP2 cannot offload the optimizer states without their
+    parameters), accepted for DeepSpeed users. `gpufleet plan` counts the host RAM per node."""
 
     allow_shared_devices: bool = False
     """Allow a dedicated scorer device to also hold a policy rank (two processes on one GPU)."""

@@ -84,7 +84,8 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
     try:
         hw = resolve_hardware(gpus)
         topo, _ = resolve_topology(r, hw)
-        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout)
+        offload = job.placement.offload != "none"
+        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout, host_collectives=offload)
         print(
             f"rank {rt.rank}/{rt.world_size} ({rt.role}{' ' + '+'.join(rt.roles) if rt.roles else ''}) "
             f"on {rt.device}, node {rt.node_rank}",

@@ -77,16 +77,32 @@ def base_of(adapter: Path) -> str:
 
 
 def merged(adapter: Path, base: str, to: Path) -> None:
-    """Base model + the adapter in `adapter`, merged, saved to `to` (with the tokenizer)."""
+    """Base model + the adapter in `adapter`, merged, saved to `to` (with the tokenizer). An adapter on an
+    output head tied to the input embeddings adapts the head alone: the merged model gets its own head
+    (untied), else merging would change the embeddings too."""
+    import json
+
     from peft import PeftModel
 
     from gpufleet.models.load import load_causal_lm, load_tokenizer
 
-    model = PeftModel.from_pretrained(load_causal_lm(base), str(adapter)).merge_and_unload()
+    model = load_causal_lm(base)
+    chosen = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("target_modules") or []
+    if HEAD in chosen and getattr(model.config, "tie_word_embeddings", False):
+        _untie_head(model)
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.save_pretrained(to, safe_serialization=True)
     load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base).save_pretrained(
         to
     )
+
+
+def _untie_head(model) -> None:
+    """Give a tied output head its own copy of the embedding matrix (config says so when saved)."""
+    import torch
+
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.config.tie_word_embeddings = False
 
 
 def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -107,19 +123,37 @@ def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def trainable_parameters(config: dict[str, Any], model_section) -> int:
-    """The adapter's parameter count: r x (in + out) per adapted projection per layer (all-linear: every
-    projection of the decoder layers; peft leaves the output head alone)."""
+HEAD = "lm_head"
+"""The output head: an adapter target of its own (peft's all-linear leaves it out; name it to adapt it)."""
+
+
+def adapted_width(config: dict[str, Any], model_section) -> int:
+    """r x the projections that get an adapter, over all layers (the A outputs kept per token); the
+    head's adapter, on the completion positions only, is left out."""
     shapes = linear_shapes(config)
     chosen = targets(model_section, config.get("model_type"))
     names = list(shapes) if chosen == "all-linear" else [n for n in chosen if n in shapes]
-    unknown = [] if chosen == "all-linear" else [n for n in chosen if n not in shapes]
+    return model_section.lora_r * len(names) * config["num_hidden_layers"]
+
+
+def trainable_parameters(config: dict[str, Any], model_section) -> int:
+    """The adapter's parameter count: r x (in + out) per adapted projection per layer (all-linear: every
+    projection of the decoder layers; peft leaves the output head alone), plus r x (hidden + vocab) once
+    when `lm_head` is named."""
+    shapes = linear_shapes(config)
+    chosen = targets(model_section, config.get("model_type"))
+    names = list(shapes) if chosen == "all-linear" else [n for n in chosen if n in shapes]
+    unknown = [] if chosen == "all-linear" else [n for n in chosen if n not in shapes and n != HEAD]
     if unknown:
         raise UserError(
             f"model.lora_target_modules names {', '.join(unknown)}, not a projection of a decoder layer "
-            f"({', '.join(shapes)}).",
+            f"({', '.join(shapes)}) nor {HEAD}.",
             field="model.lora_target_modules",
             fix="use those names, or all-linear",
         )
-    per_layer = sum(model_section.lora_r * (shapes[n][0] + shapes[n][1]) for n in names)
-    return per_layer * config["num_hidden_layers"]
+    r = model_section.lora_r
+    per_layer = sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+    head = (
+        r * (config["hidden_size"] + config["vocab_size"]) if chosen != "all-linear" and HEAD in chosen else 0
+    )
+    return per_layer * config["num_hidden_layers"] + head

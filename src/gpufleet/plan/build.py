@@ -12,6 +12,7 @@ gradient. No torch import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,15 +26,16 @@ from gpufleet.plan.inference import (
     reward_model_bytes,
     rollout_bytes,
 )
-from gpufleet.plan.loads import DeviceLoad, Plan, ProcessLoad
+from gpufleet.plan.loads import DeviceLoad, HostLoad, Plan, ProcessLoad
 from gpufleet.plan.memory import (
     Activations,
     Precision,
     train_activations,
     train_state_bytes,
     training_precision,
+    with_adapter,
 )
-from gpufleet.plan.overhead import overhead_bytes
+from gpufleet.plan.overhead import HOST_OVERHEAD, overhead_bytes
 from gpufleet.plan.shape import Models
 from gpufleet.topology import Topology
 
@@ -44,7 +46,12 @@ def adapter_parameters(job, arch) -> int | None:
         return None
     from gpufleet.models.lora import trainable_parameters
 
-    config = {
+    return trainable_parameters(_lora_config(arch), job.model)
+
+
+def _lora_config(arch) -> dict:
+    """The config.json fields models/lora.py counts from."""
+    return {
         "model_type": arch.model_type,
         "hidden_size": arch.hidden_size,
         "num_attention_heads": arch.num_heads,
@@ -52,8 +59,8 @@ def adapter_parameters(job, arch) -> int | None:
         "head_dim": arch.head_dim,
         "intermediate_size": arch.intermediate_size,
         "num_hidden_layers": arch.num_layers,
+        "vocab_size": arch.vocab_size,
     }
-    return trainable_parameters(config, job.model)
 
 
 def micro_batch(r: Resolved) -> int:
@@ -79,9 +86,11 @@ class Layout:
     """`none`, `colocate` or `dedicated`."""
     reward_model: str
     """`none`, `colocate`, `dedicated` or `unsized` (its config is not available)."""
+    offload: bool = False
+    """FSDP with `placement.offload`: the policy's training state in host memory."""
 
 
-def layout_of(r: Resolved, topo: Topology, models: Models) -> Layout:
+def layout_of(r: Resolved, topo: Topology, models: Models, hw_is_cpu: bool = False) -> Layout:
     ranks = topo.policy_ranks
     strategy = "single" if ranks == 1 else r.job.placement.strategy
     used, dedicated = roles_in_use(r), topo.dedicated_roles()
@@ -92,7 +101,8 @@ def layout_of(r: Resolved, topo: Topology, models: Models) -> Layout:
         reward = "unsized"
     else:
         reward = "dedicated" if "reward" in dedicated else "colocate"
-    return Layout(strategy, ranks if strategy == "fsdp" else 1, reference, reward)
+    offload = strategy == "fsdp" and r.job.placement.offload != "none" and not hw_is_cpu
+    return Layout(strategy, ranks if strategy == "fsdp" else 1, reference, reward, offload)
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,24 @@ class Parts:
     overhead: int
     optimizer_step: int
     """AdamW's temporaries on the GPU (0 on the CPU, where nothing is preallocated)."""
+    ref_gather: int = 0
+    """A sharded reference (FSDP): its root unit and two layers gathered while it scores."""
+    host_state: int = 0
+    """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
+
+
+def _activations(job, pol, run: Precision, sizes: dict) -> Activations:
+    """One training micro-batch's activations (memory.py), with a LoRA adapter's when there is one."""
+    acts = train_activations(
+        pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
+    )
+    if not job.model.use_peft:
+        return acts
+    from gpufleet.models.lora import adapted_width
+
+    tokens = sizes["batch"] * (sizes["prompt_tokens"] + sizes["completion_tokens"])
+    width = adapted_width(_lora_config(pol.arch), job.model)
+    return with_adapter(acts, adapter_parameters(job, pol.arch), width, tokens, run)
 
 
 def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
@@ -131,6 +159,10 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         fused_adamw=not fsdp,
         adapter=adapter_parameters(job, pol.arch),
     )
+    host_state = 0
+    if lay.offload:  # CPUOffloadPolicy: the sharded state and the optimizer step live in host memory
+        host_state = state["weights"] + state["grads"] + state["optimizer"] + state["optimizer_step"]
+        state = {**{k: 0 for k in state}, "ddp_buckets": 0}
     # FSDP2 mixed precision (config/precision.py): the forward sees compute-dtype parameters, as a model
     # of that dtype would (no autocast copies); the gathered units are in the compute dtype too.
     mixed = precision.fsdp_mixed(job, lay.shards)
@@ -141,23 +173,31 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
     rm_weights, rm_work = _reward_model_parts(models, rows, P + T)
     gathered = run.compute_bytes if mixed else prec.weight_bytes
+    units = pol.params.root + 3 * pol.params.per_layer  # FSDP: root + current and prefetched layer + grads
+    # A sharded reference's no-grad forward: its root unit and two layers gathered (released after).
+    sharded_ref = fsdp and lay.reference == "colocate"
+    ref_gather = (pol.params.root + 2 * pol.params.per_layer) * ref.weight_bytes if sharded_ref else 0
+    # Offload: each unit's shard is copied to the GPU for its all-gather (and its grads back).
+    staging = math.ceil(units * prec.weight_bytes / lay.shards) if lay.offload else 0
     return Parts(
         state=state,
-        acts=train_activations(
-            pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
-        ),
+        acts=_activations(job, pol, run, sizes),
         roll=rollout_bytes(
             pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
         ),
-        ref_weights=pol.params.total * ref.weight_bytes,  # frozen: the compute dtype (reference_dtype)
-        ref_scoring=logprob_scoring_bytes(pol.arch, pol.params, ref, cached_weight_copies=False, **sizes),
+        # frozen, in the compute dtype (reference_dtype); under FSDP sharded like the policy
+        ref_weights=math.ceil(pol.params.total / (lay.shards if sharded_ref else 1)) * ref.weight_bytes,
+        ref_scoring=ref_gather
+        + logprob_scoring_bytes(pol.arch, pol.params, ref, cached_weight_copies=False, **sizes),
+        ref_gather=ref_gather,
         old_scoring=logprob_scoring_bytes(pol.arch, pol.params, run, cached_weight_copies=True, **sizes)
         if several_steps
         else 0,
         rm_weights=rm_weights,
         rm_work=rm_work,
         batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
-        gather=(pol.params.root + 3 * pol.params.per_layer) * gathered if fsdp else 0,
+        gather=units * gathered + staging if fsdp else 0,
+        host_state=host_state,
         overhead=overhead_bytes(env, gpu=not hw.is_cpu),
         optimizer_step=0 if hw.is_cpu else state["optimizer_step"],
     )
@@ -197,11 +237,13 @@ def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
         "overhead": parts.overhead,
         "batch_tensors": parts.batch_tensors,
         "fsdp_gathered": parts.gather,
+        "offloaded_to_host": parts.host_state,
     }
     weights, scoring, role = state["weights"], parts.old_scoring, f"policy rank {i}"
     if lay.reference == "colocate":
         weights += parts.ref_weights
         detail["reference_weights"] = parts.ref_weights
+        detail["reference_gathered"] = parts.ref_gather
         scoring = max(scoring, parts.ref_scoring)
         role += " + reference"
     if lay.reward_model == "colocate":
@@ -269,7 +311,7 @@ def _devices(hw: Hardware, per_device: dict[int, list[ProcessLoad]]) -> list[Dev
 def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mapping[str, str]) -> Plan:
     """The per-device loads of a job whose topology is valid (no choices made here)."""
     job, t = r.job, r.job.train
-    lay = layout_of(r, topo, models)
+    lay = layout_of(r, topo, models, hw.is_cpu)
     parts = parts_of(r, hw, models, lay, env)
     received = topo.policy_ranks * parts.batch_tensors // max(topo.nnodes, 1)
     per_device: dict[int, list[ProcessLoad]] = {}
@@ -293,4 +335,18 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         reference=lay.reference,
         reward_model=lay.reward_model,
         devices=_devices(hw, per_device),
+        host=None if hw.is_cpu else _host(hw, topo, parts, lay),
+    )
+
+
+def _host(hw: Hardware, topo: Topology, parts: Parts, lay: Layout) -> HostLoad:
+    """Host RAM of one node: the state its policy ranks offload, and HOST_OVERHEAD per process."""
+    procs = topo.nproc_per_node
+    return HostLoad(
+        capacity=hw.ram_bytes,
+        source=hw.ram_source,
+        offloaded=len(topo.policy_devices) * parts.host_state,
+        overhead=procs * HOST_OVERHEAD,
+        processes=procs,
+        checked=lay.offload,
     )

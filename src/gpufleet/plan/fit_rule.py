@@ -108,8 +108,10 @@ def fit_problems(ctx) -> list[Problem]:
     out += _short_of_free_memory(r, hw, env, models, plan)
     if plan.comfortable:
         return out
-    d = plan.tightest
     fixes = find_fixes(r, hw, env, models, limit=3)
+    if all(d.comfortable for d in plan.devices):  # the host RAM is what does not hold it
+        return [*out, _host_problem(r, hw, plan, fixes)]
+    d = plan.tightest
     refs = [r.ref(_dominant_field(d)), r.ref("model.path")]
     for path in ("train.micro_batch", "model.gradient_checkpointing", "placement.strategy"):
         if path not in {x.path for x in refs}:
@@ -128,3 +130,19 @@ def fit_problems(ctx) -> list[Problem]:
         )
     )
     return out
+
+
+def _host_problem(r, hw, plan, fixes) -> Problem:
+    """placement.offload puts more in host RAM than a node has (with 10% free)."""
+    h = plan.host
+    why = (
+        f"placement.offload={r.job.placement.offload} puts {gib(h.offloaded)} GiB of training state in each "
+        f"node's host RAM (+ {gib(h.overhead)} GiB for {h.processes} processes): {gib(h.total)} GiB, but the "
+        f"host has {gib(h.capacity)} GiB ({h.where()}; plans keep >= {HEADROOM:.0%} free)."
+    )
+    options = [f.command() for f in fixes]
+    options.append("--set placement.offload=none")
+    refs = [r.ref("placement.offload"), r.ref("placement.strategy"), r.ref("model.path")]
+    return Problem(
+        "error" if not h.fits else "warning", refs, why, "; or ".join(options), extra={"rule": "fit"}
+    )

@@ -8,7 +8,7 @@ same GPUs, FSDP over more GPUs, fewer tokens, fewer completions per rank. No tor
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufleet.config.load import Resolved
@@ -19,6 +19,7 @@ from gpufleet.plan.largest import largest_true, smallest_true
 from gpufleet.plan.loads import Plan
 from gpufleet.plan.search import comfortable_with, make_plan, scorer_moves, splits_into_groups
 from gpufleet.plan.shape import Models, load_models
+from gpufleet.plan.speed import step_cost
 from gpufleet.topology import resolve_topology
 
 MAX_GPUS = 64
@@ -33,6 +34,11 @@ class Fix:
     changes: Changes
     gpus: str | None
     plan: Plan
+    cost: float = 1.0
+    """Expected time per completion relative to the job as it is (speed.py): fixes are listed by it."""
+    group: int = 0
+    """0: the same training on this hardware (the same math, or bf16); 1: a different optimisation
+    (LoRA); 2: other GPUs, or less trained per step (fewer tokens or completions). Listed in this order."""
 
     def command(self) -> str:
         """`--gpus 4x24GB --set placement.strategy=fsdp`: what to add to the command line."""
@@ -45,6 +51,9 @@ class Fix:
             "kind": self.kind,
             "sets": [c.flag() for c in self.changes],
             "gpus": self.gpus,
+            "expected_time_per_completion": round(self.cost, 3),
+            "group": self.group,
+            "host": self.plan.host.to_dict() if self.plan.host else None,
             "devices": [
                 {
                     "device": d.label,
@@ -69,7 +78,22 @@ def _make_fix(kind: str, r: Resolved, ranks: int, cs: Changes, plan: Plan, gpus:
     )
     if after != before:
         kind += f" (generation batch {before} -> {after} completions)"
-    return Fix(kind, merge(cs, plan.changes), gpus, plan)
+    cost = step_cost(r.job, cs, ranks, plan.topo.policy_ranks)
+    if gpus is not None or any(c.field in _DATA_FIELDS for c in cs):
+        group = 2
+    else:
+        group = 1 if value_of(cs, "model.use_peft", r.job.model.use_peft) != r.job.model.use_peft else 0
+    return Fix(kind, merge(cs, plan.changes), gpus, plan, cost, group)
+
+
+_DATA_FIELDS = ("train.per_device_batch", "rollout.max_completion_length")
+"""Fields whose change trains on less per step: such fixes come after those that keep the job."""
+
+
+def by_speed(fixes: list[Fix]) -> list[Fix]:
+    """By group (the same training first, then LoRA, then other GPUs or less data), each group fastest
+    expected first (speed.py)."""
+    return sorted(fixes, key=lambda f: (f.group, f.cost))
 
 
 def _divisors_below(n: int, below: int) -> list[int]:
@@ -180,14 +204,26 @@ def find_fixes(
     multi = f.topo.policy_ranks > 1
     if r.job.train.precision == "fp32" and not hw.is_cpu:  # bf16 compute; FSDP: bf16 gathered parameters
         f.first("bf16 mixed precision", saver_options(r, (Change("train.precision", "bf16"),), fsdp=multi))
+    bf16 = (Change("train.precision", "bf16"),) if r.job.train.precision == "fp32" and not hw.is_cpu else ()
+    offload = _offload_options(r, hw, multi, ()) + _offload_options(r, hw, multi, bf16)
+    f.first("full fine-tuning with FSDP + CPU offload", offload)
     if not r.job.model.use_peft:  # a different optimisation: the base frozen, an adapter trained
-        lora = (Change("model.use_peft", True),)
-        if r.job.train.precision == "fp32" and not hw.is_cpu:
-            lora += (Change("train.precision", "bf16"),)
-        f.first("LoRA adapter (peft; the base model frozen)", saver_options(r, lora, fsdp=multi))
+        lora = (Change("model.use_peft", True), *bf16)
+        with_offload = _offload_options(r, hw, multi, lora)
+        f.first(
+            "LoRA adapter (peft; the base model frozen)", saver_options(r, lora, fsdp=multi) + with_offload
+        )
     f.fewer_tokens()
     f.fewer_completions()
-    return f.found[:limit]
+    return by_speed(f.found)[:limit]
+
+
+def _offload_options(r: Resolved, hw: Hardware, multi: bool, base: Changes) -> list[Changes]:
+    """`base` with FSDP and placement.offload=params (GPUs, 2+ policy ranks), with the memory savers."""
+    if hw.is_cpu or not multi or r.job.placement.offload != "none":
+        return []
+    fsdp = (Change("placement.strategy", "fsdp"), Change("placement.offload", "params"))
+    return saver_options(r, merge(base, fsdp))
 
 
 def _gpu_kind(hw: Hardware) -> str | None:
@@ -216,7 +252,7 @@ def _more_gpus_fix(f: _Fixes) -> bool:
     options = saver_options(r, tuple(base))
 
     def fits_on(cs: Changes, n: int) -> bool:
-        plan, _ = make_plan(apply(r, cs), parse_gpu_spec(f"{n}x{kind}"), f.env, f.models)
+        plan, _ = make_plan(apply(r, cs), _like(f.hw, f"{n}x{kind}"), f.env, f.models)
         return plan is not None and plan.comfortable
 
     start = len(f.hw.devices) + 1
@@ -229,8 +265,19 @@ def _more_gpus_fix(f: _Fixes) -> bool:
     if best is None:
         return False
     n, i = best
-    spec = f"{n}x{kind}"
-    return f.attempt(f"FSDP over {n} GPUs", options[i], parse_gpu_spec(spec), spec)
+    hw = _like(f.hw, f"{n}x{kind}")
+    spec = f"{n}x{kind}" + (f",host={hw.ram_bytes / GiB:g}GB" if hw.ram_source == "stated" else "")
+    return f.attempt(f"FSDP over {n} GPUs", options[i], hw, spec)
+
+
+def _like(hw: Hardware, spec: str) -> Hardware:
+    """The GPUs of `spec` on a host like `hw`'s (its RAM, when stated or this machine's)."""
+    more = parse_gpu_spec(spec)
+    return (
+        more
+        if hw.ram_source == "assumed"
+        else replace(more, ram_bytes=hw.ram_bytes, ram_source=hw.ram_source)
+    )
 
 
 def _layout_options(r: Resolved, hw: Hardware, policy: list[int]) -> list[tuple[str, Changes]]:

@@ -2,6 +2,8 @@
 
     plan.fits, plan.comfortable, plan.tightest, plan.devices[0].total, plan.to_dict()
 
+Per node (GPU plans): the host RAM its processes need (`HostLoad`), refused when training state is
+offloaded to it and it cannot hold that.
 Per process:  total = weights + grads + optimizer + other + max(train, rollout, scoring, optimizer step)
 (the phases of one RL step follow each other and free their working memory). Processes on one device
 add up. A plan *fits* when every device's total is at most its memory, and is *comfortable* with at
@@ -148,6 +150,58 @@ class DeviceLoad:
         }
 
 
+@dataclass
+class HostLoad:
+    """Host RAM of one node (GPU plans): the training state its policy ranks offload
+    (`placement.offload`) plus a stated overhead per process (`overhead.HOST_OVERHEAD`)."""
+
+    capacity: int
+    """Host RAM per node (hardware.py `ram_bytes`)."""
+    source: str
+    """`this machine`, `stated` (--gpus ...,host=) or `assumed` (hardware.HOST_RAM_PER_GPU_MEMORY)."""
+    offloaded: int
+    """Weights, gradients, AdamW states and the optimizer step's temporary of the node's policy ranks."""
+    overhead: int
+    processes: int
+    checked: bool
+    """Something is offloaded: the plan refuses when the host cannot hold it (else shown only)."""
+
+    @property
+    def total(self) -> int:
+        return self.offloaded + self.overhead
+
+    def where(self) -> str:
+        """Where the capacity comes from, with how to state it."""
+        if self.source == "assumed":
+            return "assumed: 2x the GPUs' memory; state it with --gpus SPEC,host=256GB"
+        return "stated in --gpus" if self.source == "stated" else "this machine's"
+
+    @property
+    def headroom(self) -> float:
+        return (self.capacity - self.total) / self.capacity if self.capacity else 1.0
+
+    @property
+    def fits(self) -> bool:
+        return not self.checked or not self.capacity or self.total <= self.capacity
+
+    @property
+    def comfortable(self) -> bool:
+        return not self.checked or self.headroom >= HEADROOM
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity_bytes": self.capacity,
+            "capacity_source": self.source,
+            "total_bytes": self.total,
+            "offloaded_bytes": self.offloaded,
+            "overhead_bytes": self.overhead,
+            "processes": self.processes,
+            "checked": self.checked,
+            "headroom": round(self.headroom, 4),
+            "fits": self.fits,
+        }
+
+
 # ------------------------------------------------------------------------------------------- plan
 
 
@@ -176,6 +230,8 @@ class Plan:
     why: list[str] = field(default_factory=list)
     changes: Changes = ()
     """The planner's own choices (auto placements) as changes that make them explicit."""
+    host: HostLoad | None = None
+    """Host RAM per node (None on a CPU plan, where the device is the host)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -217,11 +273,11 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return all(d.fits for d in self.devices)
+        return all(d.fits for d in self.devices) and (self.host is None or self.host.fits)
 
     @property
     def comfortable(self) -> bool:
-        return all(d.comfortable for d in self.devices)
+        return all(d.comfortable for d in self.devices) and (self.host is None or self.host.comfortable)
 
     @property
     def tightest(self) -> DeviceLoad:
@@ -269,6 +325,7 @@ class Plan:
             "comfortable": self.comfortable,
             "headroom_required": HEADROOM,
             "devices": [d.to_dict() for d in self.devices],
+            "host": self.host.to_dict() if self.host else None,
             "why": list(self.why),
             "sets": [c.flag() for c in self.changes],
             "notes": list(self.models.notes),

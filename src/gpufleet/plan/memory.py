@@ -58,7 +58,7 @@ instead), CUDA graphs, and memory other processes hold on the device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufleet.plan.shape import Arch, ParamCount
 
@@ -138,17 +138,33 @@ def train_state_bytes(
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     local = math.ceil(params.total / shards)
-    trained = local if adapter is None else math.ceil(adapter / shards)
     b = precision.weight_bytes
+    if adapter is None:
+        trained, t, buckets = local, b, params.total
+    else:  # peft keeps the adapter in float32 (autocast_adapter_dtype) beside a bf16/fp16 base
+        trained, t, buckets = math.ceil(adapter / shards), DTYPE_BYTES["float32"], adapter
     return {
-        "weights": (local + (0 if adapter is None else trained)) * b,
-        "grads": trained * b,
-        "optimizer": 2 * trained * b,
-        "ddp_buckets": (params.total if adapter is None else adapter) * b
-        if ddp_buckets and shards == 1
-        else 0,
-        "optimizer_step": 0 if fused_adamw else trained * b,
+        "weights": local * b + (0 if adapter is None else trained * t),
+        "grads": trained * t,
+        "optimizer": 2 * trained * t,
+        "ddp_buckets": buckets * t if ddp_buckets and shards == 1 else 0,
+        "optimizer_step": 0 if fused_adamw else trained * t,
     }
+
+
+def with_adapter(
+    acts: Activations, adapter: int, adapted_width: int, tokens: int, p: Precision
+) -> Activations:
+    """A LoRA policy's activations (measured in tests/test_plan_measure_modes.py): under autocast the
+    float32 adapter's weights get compute-dtype copies kept for backward (`adapter` parameters), and each
+    adapted projection keeps its r-wide A output per token (`adapted_width` = r x adapted projections,
+    summed over layers). In fp32 no extra is counted: a frozen base keeps fewer inputs for weight
+    gradients, which measured about as much as the A outputs (within 7% of the full model's count)."""
+    if p.compute_bytes >= DTYPE_BYTES["float32"]:
+        return acts
+    copies = adapter * p.compute_bytes
+    saved = 0 if acts.checkpointing else tokens * adapted_width * p.compute_bytes
+    return replace(acts, layers=acts.layers + saved, weight_copies=acts.weight_copies + copies)
 
 
 def _norm_bytes(width: int, in_bytes: int, consumers: int, compute_bytes: int, gemma: bool) -> int:

@@ -20,6 +20,11 @@ DEFAULT_GPU_OVERHEAD = 1 * GiB
 DEFAULT_CPU_OVERHEAD = 3 * GiB // 4
 """Per process on the CPU: the Python interpreter with torch and transformers imported."""
 
+HOST_OVERHEAD = 3 * GiB
+"""Host RAM per process of a GPU run, beside what it offloads: the interpreter with torch, transformers
+and the CUDA runtime's host side (~2 GiB), the tokenizer and data, pinned staging buffers. Loading a
+checkpoint briefly holds its weights in host memory too (not counted: it is over before training)."""
+
 OVERHEAD_ENV = "GPUFLEET_PLAN_OVERHEAD"
 """Setting (not a job field) that overrides the per-process overhead, e.g. `1.5GB` or `512MB`."""
 

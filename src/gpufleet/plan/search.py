@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpufleet.config import precision
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import Problem
 from gpufleet.hardware import Hardware
@@ -156,7 +157,13 @@ def why(r: Resolved, plan: Plan) -> list[str]:
         f"model.dtype = {r.job.model.dtype}, train.precision = {t.precision}: {p.weights} weights, "
         f"{per_param} bytes per parameter for weights + grads + AdamW"
     )
-    if p.autocast:
+    mixed = precision.fsdp_mixed(r.job, plan.shards)
+    if mixed:
+        text += (
+            f"; FSDP2 mixed precision: each unit gathered in {p.compute} and freed after use, gradients "
+            f"reduced in float32 (no autocast copies)"
+        )
+    elif p.autocast:
         text += f", {p.compute} autocast keeps {p.compute} copies of the weights from forward to backward"
     elif p.weight_bytes < 4:
         text += " (no fp32 master copy)"
@@ -166,6 +173,17 @@ def why(r: Resolved, plan: Plan) -> list[str]:
         f"micro-batch {plan.micro_batch} of {plan.per_device_batch} ({src('train.micro_batch')}); "
         f"{plan.rollout_rows} sequences of {plan.prompt_tokens}+{plan.completion_tokens} tokens sampled at once per rank"
     )
+    if plan.strategy == "fsdp" and plan.reference == "colocate":
+        out.append(
+            f"reference colocated under FSDP: sharded {plan.shards} ways like the policy (frozen, "
+            f"{precision.reference_dtype(r.job)}), its root and two layers gathered while it scores"
+        )
+    if plan.host is not None and plan.host.checked:
+        out.append(
+            f"placement.offload = {pl.offload} ({src('placement.offload')}): the policy's sharded weights, "
+            f"grads and AdamW states in host RAM ({gib(plan.host.offloaded)} GiB per node), AdamW steps on "
+            "the CPU"
+        )
     if plan.reward_model == "unsized":
         out.append(f"reward.model {r.job.reward.model}: config not available, its memory is not counted")
     if isinstance(pl.reference, list) or isinstance(pl.reward, list):

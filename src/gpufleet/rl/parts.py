@@ -60,7 +60,10 @@ def build(
     tokenizer = load_tokenizer(job.model.path)
     peft = job.model.use_peft  # LoRA: the base from model.path, the adapter from the checkpoint
     base = job.model.path if peft else str(weights or job.model.path)
-    policy = load_causal_lm(base, dtype=model_dtype(job), device=str(rt.device))
+    # Under FSDP the model loads on the CPU and fully_shard moves each unit to the device as it shards
+    # it: a GPU never holds the whole model (a 7B in fp32 is 30 GB).
+    load_on = "cpu" if sharded(job, rt) else str(rt.device)
+    policy = load_causal_lm(base, dtype=model_dtype(job), device=load_on)
     if peft:
         from gpufleet.models import lora
 
@@ -72,11 +75,17 @@ def build(
     if rt.distributed and rt.policy_size > 1:
         from gpufleet.parallel import wrap_policy
 
-        train_model = wrap_policy(policy, job.placement.strategy, rt, fsdp_param_dtype(job, rt.policy_size))
+        pl = job.placement
+        dtype = fsdp_param_dtype(job, rt.policy_size)
+        train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
     reference = None
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
-        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
+        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=load_on).eval()
         reference.requires_grad_(False)
+        if sharded(job, rt):  # 1/N of the reference per policy rank
+            from gpufleet.parallel import shard_frozen
+
+            reference = shard_frozen(reference, rt)
     env = source = None
     if job.env.name:
         from gpufleet.env.connect import open_pool
@@ -98,6 +107,11 @@ def build(
     )
 
 
+def sharded(job: Job, rt: Runtime) -> bool:
+    """FSDP2 over several policy ranks: the policy is sharded, and so is a colocated reference."""
+    return rt.distributed and rt.policy_size > 1 and job.placement.strategy == "fsdp"
+
+
 def _suppress_tokens(tokenizer, policy: torch.nn.Module, min_new_tokens: int = 0) -> tuple[int, ...]:
     """The tokens never sampled (see rl/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
     config and generation config name. Written into the policy's generation config (`suppress_tokens`),
@@ -115,7 +129,7 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
     """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
     the sharded model, together (every rank must call this the same number of times)."""
     rt, ro = p.rt, p.job.rollout
-    fsdp = rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1
+    fsdp = sharded(p.job, rt)
     return generate(
         p.train_model if fsdp else p.policy,
         prompt_ids,

@@ -16,6 +16,7 @@ import torch
 
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.errors import UserError
+from gpufleet.parallel import release
 from gpufleet.rl import scorer
 from gpufleet.rl.advantages import combine_rewards, group_advantages
 from gpufleet.rl.batch import (
@@ -157,6 +158,7 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
         batch.ref_logprobs = logprobs_of(
             p.reference, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early
         )
+        release(p.reference)  # a sharded reference: its root unit gathered no longer
     elif p.job.algorithm.beta > 0 and p.job.model.use_peft:  # LoRA: the base model is the reference
         with p.policy.disable_adapter():
             batch.ref_logprobs = logprobs_of(

@@ -28,8 +28,8 @@ from gpufleet.monitor.metrics import JsonlWriter, Progress
 from gpufleet.rl import resume, scorer
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
-from gpufleet.rl.parts import build
-from gpufleet.rl.precision import autocast_for
+from gpufleet.rl.parts import build, sharded
+from gpufleet.rl.precision import autocast_for, reference_dtype
 from gpufleet.rl.step import generation_step, optimizer_step
 
 
@@ -41,6 +41,8 @@ def train(
     rt = rt or Runtime()
     t, o = job.train, job.output
     p = build(job, rt, weights=resume_from, run_dir=out_dir)
+    if rt.is_main and p.reference is not None and sharded(job, rt):
+        log(f"reference: sharded with FSDP2 over {rt.policy_size} policy ranks ({reference_dtype(job)})")
     opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device, rt.policy_size)
     reuse = reuse_count(job)

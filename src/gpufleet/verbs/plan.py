@@ -27,6 +27,7 @@ from gpufleet.plan.loads import HEADROOM, Plan
 from gpufleet.plan.memory import gib
 from gpufleet.plan.search import make_plan
 from gpufleet.plan.shape import Models, load_models
+from gpufleet.text import plural
 
 COLUMNS = ("weights", "grads", "optimizer", "activations", "kv cache", "scoring", "other")
 
@@ -135,7 +136,8 @@ def render_table(
         else:
             out.append("no layout on this hardware fits with the job's other values.")
         return "\n".join(out)
-    out += [f"  layout:   {plan.describe_strategy()}", "", device_table(plan), LEGEND, "", "why:"]
+    out += [f"  layout:   {plan.describe_strategy()}", "", device_table(plan), LEGEND]
+    out += [host_line(plan), "", "why:"] if plan.host else ["", "why:"]
     out += [f"  - {w}" for w in plan.why]
     out += [f"  - note: {note}" for note in plan.models.notes]
     if plan.changes:
@@ -163,7 +165,8 @@ LEGEND = (
     "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
     "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
     "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
-    "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers"
+    "grads include DDP's buckets; other = overhead per process, batch tensors, FSDP's gathered layers "
+    "(and, with offload, their shards staged on the GPU); scoring includes a sharded reference's gathered layers"
 )
 
 
@@ -192,8 +195,27 @@ def _head_lines(job: str, hw: Hardware, r: Resolved, models: Models) -> list[str
     return out
 
 
+def host_line(plan: Plan) -> str:
+    """`host RAM per node: 152.3 of 256.00 GiB (stated): offloaded 140.3 + overhead 12.00 (4 processes x 3)`."""
+    h = plan.host
+    if h is None:
+        return ""
+    text = (
+        f"  host RAM per node: {gib(h.total)} of {gib(h.capacity)} GiB ({h.where()}): offloaded {gib(h.offloaded)} + "
+        f"overhead {gib(h.overhead)} ({plural(h.processes, 'process')})"
+    )
+    return text + ("" if h.checked else "; nothing offloaded, so not checked")
+
+
 def _verdict(plan: Plan) -> str:
-    """fits / fits, but tight / does not fit, with the devices that say so."""
+    """fits / fits, but tight / does not fit, with the devices (or the host RAM) that say so."""
+    h = plan.host
+    if h is not None and not h.comfortable and all(d.comfortable for d in plan.devices):
+        state = "does not fit" if not h.fits else "fits, but tight"
+        return (
+            f"{state}: the host RAM of each node needs {gib(h.total)} of {gib(h.capacity)} GiB "
+            f"(keep >= {HEADROOM:.0%} free) for what placement.offload puts there."
+        )
     tight = plan.tightest
     where = "cpu" if tight.index is None else f"device {tight.label}"
     if plan.comfortable:
@@ -238,5 +260,7 @@ def _fix_lines(fixes: list[Fix]) -> list[str]:
     lines = []
     for i, f in enumerate(fixes, 1):
         lines.append(f"  {i}. {f.kind}: {f.command()}")
-        lines.append(f"     -> {devices_summary(f.plan)}")
+        host = f.plan.host
+        extra = f"; host {gib(host.total)} / {gib(host.capacity)} GiB" if host and host.checked else ""
+        lines.append(f"     -> {devices_summary(f.plan)}{extra}; ~{f.cost:.2g}x the time per completion")
     return lines

@@ -245,7 +245,8 @@ def _in_process(job, out: Path, hw, topo, resume_from: Path | None) -> int:
     from gpufleet.rl.trainer import train
 
     with rank_log(out / "logs", 0, console=True):
-        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout)
+        offload = job.placement.offload != "none"
+        rt = dist.init(topo, cpu=hw.is_cpu, timeout_s=job.launch.collective_timeout, host_collectives=offload)
         train(job, out, rt, resume_from=resume_from)
     return 0
 
