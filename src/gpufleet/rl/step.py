@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.errors import UserError
 from gpufleet.rl import scorer
-from gpufleet.rl.advantages import combine_rewards, group_advantages
+from gpufleet.rl.advantages import advantages_of, unscorable
 from gpufleet.rl.batch import (
     GenerationBatch,
     Scored,
@@ -30,9 +31,6 @@ from gpufleet.rl.batch import (
 from gpufleet.rl.episodes import episode_stats, play
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rollout import sequence_logprobs
-
-_TOKEN_WEIGHTED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-"""Loss statistics averaged over the step's valid tokens (each micro-batch weighted by its share)."""
 
 
 def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
@@ -58,6 +56,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         prompt_ids, prompts, columns = _prompts(p, row_pos)
         rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
         loss_mask = rollout.completion_mask.float()
+        if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
+            loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
         completions = p.tokenizer.batch_decode(
             rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
         )
@@ -74,9 +74,11 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     per_function = p.rewards(
         prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
     )
+    warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)
-    rewards_all = combine_rewards(per_function_all, p.rewards.weights)
-    advantages, stats = group_advantages(rewards_all, G, scale=job.algorithm.scale_rewards)
+    advantages, rewards_all, stats = advantages_of(
+        per_function_all, p.rewards.weights, G, job.algorithm.scale_rewards, job.reward.aggregation
+    )
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
     _add_logprobs(p, batch, remote, autocast)
     if episodes is not None:
@@ -91,6 +93,20 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         stats,
         segments=episodes.segments if episodes else None,
     )
+
+
+def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions: list[str]) -> None:
+    """One warning line (stderr, from the rank that holds the rows) when every reward function returned None
+    for some completions: they get no reward and advantage 0 (TRL 1.16 warns likewise)."""
+    rows = unscorable(per_function).nonzero().flatten().tolist()
+    if rows:
+        i = rows[0]
+        print(
+            f"gpufleet: warning: every reward function returned None for {len(rows)} completion(s), e.g. "
+            f"prompt {prompts[i]!r}, completion {completions[i]!r}: they get advantage 0 and are left out "
+            "of the reward metrics; make at least one reward function score every completion.",
+            file=sys.stderr,
+        )
 
 
 def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list]]:
@@ -166,7 +182,7 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     tokens = batch.num_tokens
     global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
-    totals = dict.fromkeys(("loss", *_TOKEN_WEIGHTED, "entropy"), 0.0)
+    totals = dict.fromkeys(("loss", "entropy"), 0.0)
     opt.zero_grad(set_to_none=True)
     micro_batches = batch.split(t.micro_batch or t.per_device_batch)
     for k, mb in enumerate(micro_batches):
@@ -174,8 +190,8 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
         _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
     grad_norm = _clip_gradients(p)
     opt.step()
-    # Metrics: token-weighted shares were taken of the global count, so a sum over ranks is the mean.
-    for key in (*_TOKEN_WEIGHTED, "entropy"):
+    # Metrics: each micro-batch's share was taken of the global count, so a sum over ranks is the mean.
+    for key in sorted(k for k in totals if k != "loss"):  # the same keys, in the same order, on every rank
         totals[key] = float(all_reduce_sum(rt, totals[key]))
     totals["loss"] = p.loss.global_loss(float(all_reduce_sum(rt, totals["loss"])), rt.policy_size)
     totals["grad_norm"] = float(grad_norm)
@@ -207,9 +223,10 @@ def _accumulate(
             )
         (loss * p.loss.rank_scale(p.rt.policy_size)).backward()
     share = mb.num_tokens / max(global_tokens, 1)
+    row_share = mb.input_ids.shape[0] / (p.job.train.per_device_batch * p.rt.policy_size)
     totals["loss"] += loss.item()
-    for key in _TOKEN_WEIGHTED:
-        totals[key] += stats[key] * share
+    for key, value in stats.items():  # token means weighted by tokens, sequence means by rows (as TRL)
+        totals[key] = totals.get(key, 0.0) + value * (row_share if p.loss.by_rows(key) else share)
     with torch.no_grad():
         totals["entropy"] += float((entropy.float() * mb.completion_mask).sum()) / max(global_tokens, 1)
 

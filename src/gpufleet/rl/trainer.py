@@ -26,6 +26,7 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.monitor.metrics import JsonlWriter, Progress
 from gpufleet.rl import resume, scorer
+from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build
@@ -123,9 +124,10 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         "completions/clipped_ratio": float(truncated.mean()),
     }
     m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/"))}  # an env job's
-    for j, label in enumerate(labels):
+    for j, label in enumerate(labels):  # as TRL: over the completions the function scored (not None)
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
+        m[f"rewards/{label}/std"] = float(nanstd(col)) if col.numel() > 1 else 0.0
     return m
 
 
@@ -137,7 +139,7 @@ def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> Non
             "step": step,
             "prompt": s.prompts[i],
             "completion": s.completions[i],
-            "reward": float(s.rewards[i]),
+            "reward": None if math.isnan(s.rewards[i]) else float(s.rewards[i]),  # None: unscorable
             "advantage": float(s.batch.advantages[i]),
         }
         if s.segments is not None:
