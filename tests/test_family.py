@@ -139,3 +139,91 @@ def test_micro_batches_sum_to_the_whole_for_every_loss_type(loss_type):
     whole = torch.autograd.grad(loss(lp, B(slice(0, 4)), norm)[0], lp)[0]
     parts = sum(torch.autograd.grad(loss(lp[r], B(r), norm)[0], lp)[0] for r in (slice(0, 1), slice(1, 4)))
     torch.testing.assert_close(parts, whole, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# check: the combinations TRL warns about, each with a fix
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("sets", "field", "fix"),
+    [
+        (
+            ["algorithm.loss_type=luspo", "algorithm.importance_level=token"],
+            "algorithm.loss_type",
+            "sequence",
+        ),
+        (
+            ["algorithm.loss_type=vespo", "algorithm.importance_level=sequence"],
+            "algorithm.loss_type",
+            "=token",
+        ),
+        (["algorithm.name=gspo", "algorithm.loss_type=dapo"], "algorithm.loss_type", "loss_type=grpo"),
+        (["algorithm.name=gspo", "algorithm.loss_type=cispo"], "algorithm.loss_type", "loss_type=grpo"),
+        (["algorithm.delta=1.1"], "algorithm.delta", "algorithm.delta="),
+        (["algorithm.loss_type=cispo", "algorithm.epsilon_high=0.28"], "algorithm.epsilon_high", "5.0"),
+        (
+            ["algorithm.off_policy_mask_threshold=0.5"],
+            "algorithm.off_policy_mask_threshold",
+            "num_iterations=2",
+        ),
+    ],
+)
+def test_check_warns_with_a_fix(sets, field, fix):
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import parse_gpu_spec
+    from gpufleet.rules import run_checks
+
+    problems, _ = run_checks(load_job(None, sets, {}), parse_gpu_spec("cpu"), {})
+    named = [p for p in problems if p.field == field]
+    assert named and all(p.severity == "warning" for p in named), [p.render() for p in problems]
+    assert any(fix in p.fix for p in named), [p.render() for p in named]
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo", "luspo", "vespo"])
+def test_presets_of_the_new_loss_types_check_clean(name):
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import parse_gpu_spec
+    from gpufleet.rules import run_checks
+
+    r = load_job(None, [f"algorithm.name={name}"], {})
+    assert r.job.algorithm.loss_type == name
+    problems, _ = run_checks(r, parse_gpu_spec("cpu"), {})
+    assert not [p for p in problems if p.field.startswith("algorithm.")], [p.render() for p in problems]
+
+
+# ---------------------------------------------------------------------------------------------
+# the generation step: unscorable completions and truncated completions on a real tiny model
+# ---------------------------------------------------------------------------------------------
+def none_for_first(prompts, completions, **kw):
+    """Reward function of the test below: None for the first completion of each call, else its length."""
+    return [None if i == 0 else float(len(c)) for i, c in enumerate(completions)]
+
+
+def test_generation_step_unscorable_and_truncated(tmp_path, capsys, monkeypatch):
+    from gpufleet.config.load import load_job
+    from gpufleet.rl import trainer
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    sets = [
+        "rollout.max_prompt_length=8",
+        "rollout.max_completion_length=4",
+        "algorithm.num_generations=4",
+        "train.per_device_batch=8",
+        "reward.functions=test_family:none_for_first",
+        "algorithm.mask_truncated_completions=true",
+        f"output.dir={tmp_path}/run",
+    ]
+    job = load_job(None, sets, env={}).job
+    parts = trainer.build(job)
+    s = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
+    assert "every reward function returned None for 1 completion(s)" in capsys.readouterr().err
+    assert math.isnan(s.rewards[0].item()) and s.batch.advantages[0].item() == 0.0
+    scored = s.rewards[1:4]
+    assert s.batch.advantages[1:4].tolist() == pytest.approx(
+        ((scored - scored.mean()) / (scored.std() + 1e-4)).tolist()
+    )
+    assert s.stats["reward"] == pytest.approx(s.rewards[1:].mean().item())  # the NaN row left out
+    cut = s.rollout.is_truncated
+    assert cut.any(), "max_completion_length 4 should cut some random completions"
+    assert torch.all(s.batch.completion_mask[cut] == 0)
+    assert torch.equal(s.batch.completion_mask[~cut], s.rollout.completion_mask[~cut].float())

@@ -75,6 +75,11 @@ def baseline(tmp_path_factory, *sets: str) -> Path:
         ("ddp", ()),
         ("fsdp", ()),
         ("ddp", ("algorithm.loss_type=dapo", "train.steps_per_generation=2")),
+        # the newer loss types (issue 16), off-policy on every second step
+        *[
+            pytest.param("ddp", (f"algorithm.name={n}", "train.steps_per_generation=2"), id=n)
+            for n in ("cispo", "sapo", "luspo", "vespo")
+        ],
     ],
 )
 def test_two_ranks_equal_one_rank(tmp_path, tmp_path_factory, strategy, extra):

@@ -141,8 +141,8 @@ def policy_loss(
             `ref_logprobs`, "dr_grpo" without `max_completion_length` or `normalizer`, or a
             `normalizer` that is not > 0.
     """
-    # Longer than 60 lines on purpose: ratio, clip, KL and stats read top to bottom as the papers write
-    # them; the checks (_check_options, _check_shapes) and the aggregation (_aggregate) are already apart.
+    # Reads top to bottom as the papers write it: ratio, surrogate, masks, KL, aggregation; the checks,
+    # the ratio, the surrogates (rl/surrogates.py) and the aggregation are helpers.
     normalizer = _check_options(
         loss_type, level, beta, ref_logprobs is not None, max_completion_length, normalizer
     )
@@ -159,13 +159,7 @@ def policy_loss(
     # log(pi / pi_old), forced to 0 at masked positions: padding may hold garbage (even -inf),
     # and 0 * inf would otherwise turn the loss or the gradient into NaN.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zero)
-    if level == "token":
-        log_weight = log_ratio  # (B, T)
-    else:
-        # GSPO (arXiv 2507.18071): s_i = exp(mean_t log r_it) over the sequence's valid tokens,
-        # the same weight for every token of the sequence; as TRL importance_sampling_level="sequence".
-        log_weight = (log_ratio.sum(-1) / mask_f.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-    ratio = torch.exp(log_weight)
+    ratio = _importance_ratio(log_ratio, mask_f, level)
     per_token, stats = _surrogate(
         loss_type, ratio, adv, logprobs, log_ratio, valid, epsilon, epsilon_high, options
     )
@@ -189,6 +183,14 @@ def policy_loss(
     loss = _aggregate(per_token * mask_f, mask_f, loss_type, normalizer, max_completion_length)
     stats["kl"] = 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item()
     return loss, stats
+
+
+def _importance_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor, level: str) -> torch.Tensor:
+    """exp(log r): (B, T) at level "token"; at "sequence" GSPO's (arXiv 2507.18071) s_i = exp(mean_t log r_it)
+    over the sequence's valid tokens, (B, 1), as TRL importance_sampling_level="sequence"."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    return torch.exp(log_ratio.sum(-1, keepdim=True) / mask_f.sum(-1, keepdim=True).clamp(min=1.0))
 
 
 def _surrogate(loss_type, ratio, adv, logprobs, log_ratio, valid, epsilon, epsilon_high, options):
