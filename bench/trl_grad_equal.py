@@ -58,6 +58,9 @@ CASES_OPTIONS = {
     "delta=1.3": {"delta": 1.3},
     "off_policy_mask=0.02": {"off_policy_mask_threshold": 0.02},
     "mask_truncated": {"mask_truncated_completions": True},
+    "top_entropy=0.3": {"top_entropy_quantile": 0.3},
+    "entropy_coef=0.05": {"entropy_coef": 0.05},
+    "entropy_coef=0.05+top_entropy=0.5": {"entropy_coef": 0.05, "top_entropy_quantile": 0.5},
 }
 
 
@@ -79,6 +82,9 @@ def trl_side(trainer, model, inputs, loss_type, level, bias, opts):
     trainer.loss_type, trainer.importance_sampling_level = loss_type, level
     a.use_bias_correction_kl, a.delta = bias, opts.get("delta")
     trainer.off_policy_mask_threshold = opts.get("off_policy_mask_threshold")
+    trainer.top_entropy_quantile = opts.get("top_entropy_quantile", 1.0)
+    trainer.entropy_coef = opts.get("entropy_coef", 0.0)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0
     eps_high = 5.0 if loss_type == "cispo" else 0.28
     trainer.epsilon_low, trainer.epsilon_high = 0.2, eps_high
     trainer._metrics["train"].clear()
@@ -93,6 +99,7 @@ def trl_side(trainer, model, inputs, loss_type, level, bias, opts):
 def gpufleet_side(parts, batch, micro, loss_type, level, bias, opts):
     import torch
 
+    from gpufleet.rl.entropy import EntropyControl
     from gpufleet.rl.losses import Loss, LossOptions
     from gpufleet.rl.precision import autocast_for
     from gpufleet.rl.step import optimizer_step
@@ -102,6 +109,8 @@ def gpufleet_side(parts, batch, micro, loss_type, level, bias, opts):
         delta=opts.get("delta"), off_policy_mask_threshold=opts.get("off_policy_mask_threshold")
     )
     parts.loss = Loss(loss_type, level, 0.2, eps_high, 0.04, L, bias, options)
+    parts.job.algorithm.top_entropy_quantile = opts.get("top_entropy_quantile", 1.0)
+    parts.entropy = EntropyControl(coef=opts.get("entropy_coef", 0.0))
     parts.job.train.micro_batch = micro
     opt = torch.optim.SGD(parts.policy.parameters(), lr=0.0)
     m = optimizer_step(parts, batch, opt, autocast_for(parts.job, parts.device))

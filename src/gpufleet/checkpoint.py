@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,8 @@ class TrainingState:
     step: int
     scheduler: dict[str, Any]
     layout: dict[str, Any]
+    controllers: dict[str, Any] = field(default_factory=dict)
+    """Trainer state beyond the optimizer's (e.g. the adaptive entropy controller), by name."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -153,6 +155,7 @@ def save(
     rt,
     batch: dict | None,
     keep_last: int,
+    controllers: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically (every policy rank calls this; rank 0 commits it)."""
     import torch.distributed as dist
@@ -178,6 +181,7 @@ def save(
             _slow_hook()
             (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
             state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
+            state["controllers"] = controllers or {}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
             readable_by_all(tmp)
             for f in tmp.iterdir():
@@ -257,7 +261,7 @@ def load_optimizer(path: Path) -> dict:
 
 def load_state(path: Path) -> TrainingState:
     data = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    return TrainingState(data["step"], data["scheduler"], data["layout"])
+    return TrainingState(data["step"], data["scheduler"], data["layout"], data.get("controllers", {}))
 
 
 def load_rng(path: Path, rank: int) -> dict | None:

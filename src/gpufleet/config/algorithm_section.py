@@ -83,3 +83,33 @@ class AlgorithmSection(Section):
     mask_truncated_completions: bool = False
     """A completion cut at rollout.max_completion_length (no EOS) gets no loss and counts in no token
     normaliser (DAPO, arXiv 2503.14476; TRL's name and default)."""
+
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
+    """Train the policy term only on the highest-entropy tokens: those at or above this quantile from the
+    top of the optimizer step's valid tokens over all ranks ("Beyond the 80/20 rule", arXiv 2506.01939,
+    recommends 0.2; TRL's name and default 1.0 = every token; 0 keeps only the highest). The threshold is
+    taken over the whole step before its micro-batches run (one extra no-grad forward), so it does not
+    depend on train.micro_batch (TRL takes it per forward pass)."""
+
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus: the loss minus entropy_coef x the mean entropy of the trained tokens
+    (TRL's name and default; 0: off). With use_adaptive_entropy, the starting coefficient."""
+
+    use_adaptive_entropy: bool = False
+    """Adaptive entropy control (Skywork-OR1, arXiv 2505.22312; TRL's name): after each optimizer step the
+    coefficient grows by entropy_coef_delta when the step's mean entropy is at or below entropy_target and
+    shrinks otherwise (within entropy_coef_min / max); the bonus applies only while the last step's entropy
+    was at or below the target. Its state is saved in checkpoints and resumes exactly."""
+
+    entropy_coef_min: float = Field(0.0, ge=0)
+    """Lower bound of the adaptive entropy coefficient (TRL's default)."""
+
+    entropy_coef_max: float = Field(1.0, ge=0)
+    """Upper bound of the adaptive entropy coefficient (TRL's default)."""
+
+    entropy_coef_delta: float = Field(0.005, ge=0)
+    """Step of the adaptive entropy coefficient per optimizer step (TRL's default)."""
+
+    entropy_target: float = Field(0.2, ge=0)
+    """Target mean per-token entropy (nats) of adaptive entropy control (TRL's default 0.2 almost never
+    triggers: language models sit at 2-10 nats; set it near the entropy seen early in training)."""

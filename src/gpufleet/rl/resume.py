@@ -70,6 +70,7 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
         rt=p.rt,
         batch=batch,
         keep_last=p.job.output.keep_last,
+        controllers={"entropy": p.entropy.state_dict()} if p.entropy.adaptive else None,
     )
 
 
@@ -98,6 +99,8 @@ def restore(p, opt, sched, ckpt: Path, out_dir: Path) -> tuple[int, Scored | Non
         p.train_model, opt, checkpoint.load_optimizer(ckpt), options=StateDictOptions(full_state_dict=full)
     )
     sched.load_state_dict(state.scheduler)
+    if p.entropy.adaptive and "entropy" in state.controllers:
+        p.entropy.load_state_dict(state.controllers["entropy"])
     rng = checkpoint.load_rng(ckpt, p.rt.rank)
     if rng is not None:
         checkpoint.set_rng_state(rng)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,7 @@ from gpufleet.rl.batch import (
     reuse_count,
     tokenize_prompts,
 )
+from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rollout import sequence_logprobs
@@ -176,6 +178,16 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
         batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
 
 
+@dataclass(frozen=True)
+class EntropyGate:
+    """What one optimizer step's micro-batches share about entropy (rl/entropy.py): the high-entropy
+    threshold (None: every token is trained), the global count of trained tokens, the bonus coefficient."""
+
+    threshold: float | None
+    trained: int
+    coef: float
+
+
 def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str, float]:
     """Accumulate over micro-batches with the step-wide normaliser; clip; step. Returns loss metrics."""
     rt, t = p.rt, p.job.train
@@ -183,36 +195,85 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
     totals = dict.fromkeys(("loss", "entropy"), 0.0)
-    opt.zero_grad(set_to_none=True)
     micro_batches = batch.split(t.micro_batch or t.per_device_batch)
+    gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
+    opt.zero_grad(set_to_none=True)
     for k, mb in enumerate(micro_batches):
         sync = k == len(micro_batches) - 1
-        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
+        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate)
     grad_norm = _clip_gradients(p)
     opt.step()
     # Metrics: each micro-batch's share was taken of the global count, so a sum over ranks is the mean.
     for key in sorted(k for k in totals if k != "loss"):  # the same keys, in the same order, on every rank
         totals[key] = float(all_reduce_sum(rt, totals[key]))
     totals["loss"] = p.loss.global_loss(float(all_reduce_sum(rt, totals["loss"])), rt.policy_size)
+    trained_entropy = totals.pop("_trained_entropy", None)
+    if trained_entropy is not None:  # the bonus was on: TRL's loss includes it, policy_loss does not
+        totals["policy_loss"] = totals["loss"]
+        totals["loss"] -= gate.coef * trained_entropy
+        p.entropy.update(trained_entropy)
+        totals["entropy_coef"] = p.entropy.coef
     totals["grad_norm"] = float(grad_norm)
     return totals
 
 
+def _entropy_gate(
+    p: Parts, micro_batches: list[GenerationBatch], global_tokens: int, autocast
+) -> EntropyGate:
+    """The step's high-entropy threshold over every rank's valid tokens (a no-grad forward of the step's
+    micro-batches first, only when algorithm.top_entropy_quantile < 1) and the bonus coefficient."""
+    q = p.job.algorithm.top_entropy_quantile
+    coef = p.entropy.applied()
+    if q >= 1.0:
+        return EntropyGate(None, global_tokens, coef)
+    local = []
+    with torch.no_grad(), autocast():
+        for mb in micro_batches:
+            _, entropy = _forward(p, mb)
+            local.append(entropy.float()[mb.completion_mask.bool()])
+    values = _gather_values(p.rt, torch.cat(local))
+    threshold = entropy_threshold(values, q)
+    return EntropyGate(threshold, int((values >= threshold).sum()), coef)
+
+
+def _gather_values(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
+    """Every policy rank's 1-D `local` values, concatenated (ranks may hold different counts)."""
+    counts = [int(c) for c in torch.cat(all_gather_rows(rt, torch.tensor([local.numel()])))]
+    padded = torch.cat([local, local.new_zeros(max(counts) - local.numel())])
+    return torch.cat([x[:n] for x, n in zip(all_gather_rows(rt, padded), counts, strict=True)])
+
+
+def _forward(p: Parts, mb: GenerationBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of a micro-batch under the trained policy."""
+    return sequence_logprobs(
+        p.train_model,
+        mb.input_ids,
+        mb.attention_mask,
+        mb.completion_start,
+        temperature=p.job.rollout.temperature,
+        suppress_tokens=p.suppress_tokens,
+    )
+
+
 def _accumulate(
-    p: Parts, mb: GenerationBatch, sync: bool, normalizer: float, global_tokens: int, totals: dict, autocast
+    p: Parts,
+    mb: GenerationBatch,
+    sync: bool,
+    normalizer: float,
+    global_tokens: int,
+    totals: dict,
+    autocast,
+    gate: EntropyGate,
 ) -> None:
     """Forward and backward of one micro-batch; add its share of the step's metrics to `totals`."""
+    ranks = p.rt.policy_size
     with no_sync(p.train_model, sync), autocast():
-        logp, entropy = sequence_logprobs(
-            p.train_model,
-            mb.input_ids,
-            mb.attention_mask,
-            mb.completion_start,
-            temperature=p.job.rollout.temperature,
-            suppress_tokens=p.suppress_tokens,
+        logp, entropy = _forward(p, mb)
+        logp, entropy = logp.float(), entropy.float()
+        trained = (
+            None if gate.threshold is None else high_entropy_mask(entropy, mb.completion_mask, gate.threshold)
         )
-        logp = logp.float()
-        loss, stats = p.loss(logp, mb, normalizer)
+        loss, stats = p.loss(logp, mb, normalizer, trained)
         if not torch.isfinite(loss):
             bad = (~torch.isfinite(logp) & mb.completion_mask.bool()).any(dim=1).nonzero()
             row = int(bad[0]) if len(bad) else 0
@@ -221,14 +282,22 @@ def _accumulate(
                 field="train.learning_rate",
                 fix="lower train.learning_rate, use train.precision=fp32, or set train.max_grad_norm=1.0",
             )
-        (loss * p.loss.rank_scale(p.rt.policy_size)).backward()
+        total = loss * p.loss.rank_scale(ranks)
+        if p.entropy.enabled:  # the bonus: mean entropy of the trained tokens of the whole step
+            on = mb.completion_mask if trained is None else mb.completion_mask * trained
+            bonus = (entropy * on).sum() / max(gate.trained, 1)
+            total = (
+                total - gate.coef * bonus * ranks
+            )  # DDP averages over ranks: x ranks gives the global mean
+            totals["_trained_entropy"] = totals.get("_trained_entropy", 0.0) + bonus.item()
+        total.backward()
     share = mb.num_tokens / max(global_tokens, 1)
-    row_share = mb.input_ids.shape[0] / (p.job.train.per_device_batch * p.rt.policy_size)
+    row_share = mb.input_ids.shape[0] / (p.job.train.per_device_batch * ranks)
     totals["loss"] += loss.item()
     for key, value in stats.items():  # token means weighted by tokens, sequence means by rows (as TRL)
         totals[key] = totals.get(key, 0.0) + value * (row_share if p.loss.by_rows(key) else share)
     with torch.no_grad():
-        totals["entropy"] += float((entropy.float() * mb.completion_mask).sum()) / max(global_tokens, 1)
+        totals["entropy"] += float((entropy * mb.completion_mask).sum()) / max(global_tokens, 1)
 
 
 def _clip_gradients(p: Parts) -> torch.Tensor:
