@@ -227,3 +227,40 @@ def test_generation_step_unscorable_and_truncated(tmp_path, capsys, monkeypatch)
     assert cut.any(), "max_completion_length 4 should cut some random completions"
     assert torch.all(s.batch.completion_mask[cut] == 0)
     assert torch.equal(s.batch.completion_mask[~cut], s.rollout.completion_mask[~cut].float())
+
+
+# ---------------------------------------------------------------------------------------------
+# reference sync (TR-DPO): reference <- alpha policy + (1 - alpha) reference
+# ---------------------------------------------------------------------------------------------
+def test_mix_into_hand_values():
+    from gpufleet.rl.refsync import due, mix_into
+
+    ref, pol = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor([[1.0, -2.0]]))
+        pol.weight.copy_(torch.tensor([[3.0, 2.0]]))
+    mix_into(ref, dict(pol.named_parameters()), 0.25)  # 0.25 * [3, 2] + 0.75 * [1, -2] = [1.5, -1.0]
+    assert ref.weight.tolist() == [[1.5, -1.0]]
+    from gpufleet.config.load import load_job
+
+    job = load_job(None, ["algorithm.sync_ref_model=true", "algorithm.ref_model_sync_steps=4"], {}).job
+    assert [s for s in range(1, 13) if due(job, s)] == [4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["algorithm.sync_ref_model=true"], "algorithm.sync_ref_model"),  # beta 0
+        (
+            ["algorithm.sync_ref_model=true", "algorithm.beta=0.04", "model.use_peft=true"],
+            "algorithm.sync_ref_model",
+        ),
+    ],
+)
+def test_check_refuses_reference_sync_without_a_movable_reference(sets, field):
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import parse_gpu_spec
+    from gpufleet.rules import run_checks
+
+    problems, _ = run_checks(load_job(None, sets, {}), parse_gpu_spec("cpu"), {})
+    assert any(p.severity == "error" and p.field == field for p in problems), [p.render() for p in problems]

@@ -97,6 +97,10 @@ def latest(run_dir: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------ save
 
 
+REFERENCE_FILE = "reference.safetensors"
+"""A synced reference model's weights (algorithm.sync_ref_model)."""
+
+
 @dataclass
 class TrainingState:
     """What a checkpoint restores besides the weights."""
@@ -156,6 +160,7 @@ def save(
     batch: dict | None,
     keep_last: int,
     controllers: dict | None = None,
+    reference_state: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically (every policy rank calls this; rank 0 commits it)."""
     import torch.distributed as dist
@@ -180,6 +185,12 @@ def save(
             torch.save(optim_state, tmp / "optimizer.pt")
             _slow_hook()
             (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
+            if reference_state is not None:  # a synced (moving) reference: TR-DPO
+                from safetensors.torch import save_file
+
+                save_file(
+                    {k: v.detach().cpu().clone() for k, v in reference_state.items()}, tmp / REFERENCE_FILE
+                )
             state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
             state["controllers"] = controllers or {}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
@@ -257,6 +268,16 @@ def _barrier(rt) -> None:
 
 def load_optimizer(path: Path) -> dict:
     return torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+def load_reference(path: Path) -> dict | None:
+    """The synced reference model's weights a checkpoint holds, or None."""
+    f = path / REFERENCE_FILE
+    if not f.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(f)
 
 
 def load_state(path: Path) -> TrainingState:

@@ -113,3 +113,14 @@ class AlgorithmSection(Section):
     entropy_target: float = Field(0.2, ge=0)
     """Target mean per-token entropy (nats) of adaptive entropy control (TRL's default 0.2 almost never
     triggers: language models sit at 2-10 nats; set it near the entropy seen early in training)."""
+
+    sync_ref_model: bool = False
+    """Move the KL reference toward the policy during training (TR-DPO, arXiv 2404.09656; TRL's name and
+    default): every ref_model_sync_steps optimizer steps, reference = alpha x policy + (1 - alpha) x
+    reference. Needs beta > 0 and a full (not LoRA) policy; the mixed reference is saved in checkpoints."""
+
+    ref_model_sync_steps: int = Field(512, ge=1)
+    """tau of TR-DPO: optimizer steps between two reference syncs (TRL's default)."""
+
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1)
+    """alpha of TR-DPO: the policy's share in the mixed reference (TRL's default)."""

@@ -37,6 +37,8 @@ class Parts:
     """Token ids the policy never samples nor scores (rl/sampling.py `never_sampled`: a pad that is not EOS)."""
     entropy: EntropyControl = field(default_factory=EntropyControl)
     """The entropy bonus's coefficient and adaptive controller (its state goes into checkpoints)."""
+    pending_ref_mixes: list = field(default_factory=list)
+    """(alpha, policy parameters) of reference syncs not yet sent to the scorer rank (rl/refsync.py)."""
 
     @property
     def device(self) -> torch.device:

@@ -72,7 +72,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens)
+    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.pending_ref_mixes)
+    p.pending_ref_mixes.clear()
     per_function = p.rewards(
         prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
     )
@@ -126,10 +127,16 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
 
 
 def _ask_scorers(
-    rt: Runtime, batch: GenerationBatch, prompts: list[str], completions: list[str], suppress_tokens=()
+    rt: Runtime,
+    batch: GenerationBatch,
+    prompts: list[str],
+    completions: list[str],
+    suppress_tokens=(),
+    ref_mixes=(),
 ) -> dict:
     """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none);
-    the reference scores with the policy's `suppress_tokens` removed, as the policy does."""
+    the reference scores with the policy's `suppress_tokens` removed, as the policy does. `ref_mixes`:
+    reference syncs (and a resumed reference state) the scorer applies first."""
     if not rt.scorers:
         return {}
     payload = {
@@ -139,6 +146,7 @@ def _ask_scorers(
         "prompts": prompts,
         "completions": completions,
         "suppress_tokens": tuple(suppress_tokens),
+        "ref_mixes": list(ref_mixes),  # from every policy rank (each node's scorer needs them); applied once
     }
     return scorer.request(rt, payload)
 

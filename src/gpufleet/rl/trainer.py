@@ -25,7 +25,7 @@ import yaml
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.monitor.metrics import JsonlWriter, Progress
-from gpufleet.rl import resume, scorer
+from gpufleet.rl import refsync, resume, scorer
 from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
@@ -62,6 +62,8 @@ def train(
         part = step % t.steps_per_generation
         rows = scored.batch.rows(part * t.per_device_batch, (part + 1) * t.per_device_batch)
         m = optimizer_step(p, rows, opt, autocast)
+        if refsync.due(job, step + 1):
+            _sync_reference(p)
         m["learning_rate"] = sched.get_last_lr()[0]
         sched.step()
         m.update(_rollout_metrics(rt, scored, p.rewards.labels))
@@ -87,6 +89,16 @@ def train(
         samples_log.close()
     resume.save_final(p, out_dir / "final")
     return last
+
+
+def _sync_reference(p) -> None:
+    """TR-DPO: mix the policy into the colocated reference now, or queue it for the scorer rank (sent with
+    the next request, before it scores anything)."""
+    alpha = p.job.algorithm.ref_model_mixup_alpha
+    if p.reference is not None:
+        refsync.mix_into(p.reference, dict(p.policy.named_parameters()), alpha)
+    elif p.rt.dedicated("reference"):
+        p.pending_ref_mixes.append((alpha, refsync.policy_copy(p.policy)))
 
 
 def _job_yaml(job: Job, out_dir: Path) -> str:

@@ -1,8 +1,9 @@
-"""Rules of the GRPO family's options: the combinations TRL 1.16 warns about, and settings that do nothing."""
+"""Rules of the GRPO family's options: the combinations TRL 1.16 warns about or refuses, and settings that do
+nothing."""
 
 from __future__ import annotations
 
-from gpufleet.rules.registry import Context, rule, warn
+from gpufleet.rules.registry import Context, err, rule, warn
 
 _SUMMING = ("bnpo", "dr_grpo", "dapo", "cispo")
 
@@ -76,4 +77,31 @@ def options_that_do_nothing(ctx: Context):
             [ctx.ref("algorithm.mask_truncated_completions"), ctx.ref("env.name")],
             "mask_truncated_completions applies to single-turn completions; an env job's episodes are not masked.",
             "drop algorithm.mask_truncated_completions",
+        )
+
+
+@rule
+def reference_sync(ctx: Context):
+    a, job = ctx.job.algorithm, ctx.job
+    if not a.sync_ref_model:
+        return
+    ref = [ctx.ref("algorithm.sync_ref_model")]
+    if a.beta == 0:
+        yield err(
+            [*ref, ctx.ref("algorithm.beta")],
+            "beta is 0: no reference model is used, so there is nothing to sync (TRL refuses this too).",
+            "--set algorithm.beta=0.04, or drop algorithm.sync_ref_model",
+        )
+    if job.model.use_peft:
+        yield err(
+            [*ref, ctx.ref("model.use_peft")],
+            "with LoRA the reference is the base model inside the policy: it cannot move (TRL refuses this too).",
+            "drop algorithm.sync_ref_model, or train every weight (model.use_peft=false)",
+        )
+    if job.placement.strategy == "fsdp" and ctx.topo.policy_ranks > 1:
+        yield err(
+            [*ref, ctx.ref("placement.strategy")],
+            "reference sync mixes the full policy weights into the reference; under FSDP they are sharded "
+            "(not supported yet).",
+            "--set placement.strategy=ddp",
         )
