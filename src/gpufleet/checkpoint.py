@@ -185,15 +185,7 @@ def save(
             torch.save(optim_state, tmp / "optimizer.pt")
             _slow_hook()
             (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
-            if reference_state is not None:  # a synced (moving) reference: TR-DPO
-                from safetensors.torch import save_file
-
-                save_file(
-                    {k: v.detach().cpu().clone() for k, v in reference_state.items()}, tmp / REFERENCE_FILE
-                )
-            state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
-            state["controllers"] = controllers or {}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+            _write_state(tmp, step, scheduler, layout, controllers, reference_state)
             readable_by_all(tmp)
             for f in tmp.iterdir():
                 _fsync_file(f)
@@ -268,6 +260,17 @@ def _barrier(rt) -> None:
 
 def load_optimizer(path: Path) -> dict:
     return torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+def _write_state(tmp: Path, step: int, scheduler, layout, controllers, reference_state) -> None:
+    """trainer_state.json (step, scheduler, layout, controllers) and a synced reference's weights."""
+    if reference_state is not None:  # a synced (moving) reference: TR-DPO
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().clone() for k, v in reference_state.items()}, tmp / REFERENCE_FILE)
+    state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
+    state["controllers"] = controllers or {}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
 
 
 def load_reference(path: Path) -> dict | None:

@@ -362,8 +362,9 @@ class Loss:
 
     def by_rows(self, key: str) -> bool:
         """Whether the statistic `key` is a mean over sequences (weighted by rows across micro-batches and
-        ranks) rather than over valid tokens: VESPO's weight, and the clip fractions at level sequence."""
-        return key == "vespo/phi_seq_mean" or (self.level == "sequence" and key.startswith("clip_ratio/"))
+        ranks) rather than over valid tokens: VESPO's weight, and the clip fractions at level sequence (TRL's
+        `global_masked_mean` of a per-sequence tensor)."""
+        return key == "vespo/phi_seq_mean" or (self.level == "sequence" and key != "kl")
 
     def rank_scale(self, ranks: int) -> int:
         """DDP and FSDP average gradients over ranks: the loss is multiplied by this so that the reduced
