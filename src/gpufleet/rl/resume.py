@@ -85,7 +85,9 @@ def _reference_state(p) -> dict | None:
     if p.rt.dedicated("reference"):
         from gpufleet.rl import scorer
 
-        return scorer.reference_state(p.rt)
+        state = scorer.reference_state(p.rt, p.pending_ref_mixes)
+        p.pending_ref_mixes.clear()  # applied by the scorer
+        return state
     return None
 
 

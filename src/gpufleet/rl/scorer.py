@@ -101,6 +101,7 @@ def _apply_ref_mixes(reference, payloads: list) -> None:
             mix_into(reference, mix[1], mix[0])
 
 
-def reference_state(rt: Runtime) -> dict | None:
-    """The scorer's (synced) reference weights, for a checkpoint (every policy rank calls this together)."""
-    return request(rt, {"want_reference": True}).get("reference_state")
+def reference_state(rt: Runtime, ref_mixes: list) -> dict | None:
+    """The scorer's (synced) reference weights, for a checkpoint, after the syncs not yet sent (`ref_mixes`,
+    applied first); every policy rank calls this together."""
+    return request(rt, {"want_reference": True, "ref_mixes": list(ref_mixes)}).get("reference_state")
