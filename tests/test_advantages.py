@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gpufleet.rl.advantages import combine_rewards, group_advantages
+from gpufleet.rl.advantages import advantages_of, combine_rewards, group_advantages, nanstd
 
 F64 = torch.float64
 NAN = float("nan")
@@ -22,12 +22,12 @@ def t(values):
 # ---------------------------------------------------------------------------------------------
 def test_combine_rewards_ignores_nan():
     # row 0: 1*1 + (NaN ignored)        = 1.0
-    # row 1: all NaN                     = 0.0
+    # row 1: all NaN                     = NaN (unscorable, as TRL 1.16)
     # row 2: 2*1 + 3*0.5                 = 3.5
     # row 3: -1*1 + 4*0.5                = 1.0
     per_function = t([[1.0, NAN], [NAN, NAN], [2.0, 3.0], [-1.0, 4.0]])
     out = combine_rewards(per_function, t([1.0, 0.5]))
-    torch.testing.assert_close(out, t([1.0, 0.0, 3.5, 1.0]), atol=0, rtol=0)
+    torch.testing.assert_close(out, t([1.0, NAN, 3.5, 1.0]), atol=0, rtol=0, equal_nan=True)
 
 
 def test_combine_rewards_nan_with_zero_weight_and_dtype():
@@ -55,7 +55,8 @@ def test_group_scale_hand_values():
     expected = t([-0.9999000099990001, 0.0, 0.9999000099990001, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
     assert stats["reward"] == pytest.approx(21 / 6)  # 3.5
-    assert stats["reward_std"] == pytest.approx(0.5)  # mean of group stds (1, 0)
+    # batch std: deviations from 3.5 squared 6.25 + 2.25 + 0.25 + 3 * 2.25 = 15.5, / 5 -> sqrt(3.1)
+    assert stats["reward_std"] == pytest.approx(1.7606816861659009)
     assert stats["frac_reward_zero_std"] == pytest.approx(0.5)
     assert all(type(v) is float for v in stats.values())
 
@@ -77,7 +78,8 @@ def test_each_group_uses_its_own_std():
         ]
     )
     torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
-    assert stats["reward_std"] == pytest.approx(2.3660254037844384)  # (3 + sqrt(3)) / 2
+    # batch std: mean 2.5, squared deviations 6.25 + 0.25 + 12.25 + 3 * 2.25 = 25.5, / 5 -> sqrt(5.1)
+    assert stats["reward_std"] == pytest.approx(2.258317958127243)
     assert stats["reward"] == pytest.approx(15 / 6)
     assert stats["frac_reward_zero_std"] == 0.0
 
@@ -107,7 +109,7 @@ def test_scales_hand_values(scale, expected):
     adv, stats = group_advantages(t([0.0, 2.0, 4.0, 6.0]), num_generations=2, scale=scale)
     torch.testing.assert_close(adv, t(expected), atol=1e-12, rtol=0)
     assert stats["reward"] == pytest.approx(3.0)
-    assert stats["reward_std"] == pytest.approx(math.sqrt(2))  # mean group std, whatever the scale
+    assert stats["reward_std"] == pytest.approx(math.sqrt(20 / 3))  # the batch's std, whatever the scale
     assert stats["frac_reward_zero_std"] == 0.0
 
 
@@ -124,23 +126,25 @@ def test_zero_std_groups_give_zero_advantage(scale):
     adv, stats = group_advantages(t([0.1, 0.1, 0.1, 1.0, 1.0, 1.0]), num_generations=3, scale=scale)
     assert torch.all(torch.isfinite(adv))
     assert adv.abs().max().item() < 1e-9
-    assert stats["frac_reward_zero_std"] == 1.0
-    assert stats["reward_std"] == pytest.approx(0.0, abs=1e-12)
+    # the std the advantage is divided by: the groups' are 0, the batch's is not (TRL's figure)
+    assert stats["frac_reward_zero_std"] == (0.0 if scale == "batch" else 1.0)
+    # batch std: six deviations of +-0.45 from 0.55 -> sqrt(6 * 0.2025 / 5)
+    assert stats["reward_std"] == pytest.approx(0.49295030175464945)
 
 
 def test_single_generation_groups():
     # G = 1: reward minus itself is 0; the std of one sample is defined as 0 (no NaN).
     adv, stats = group_advantages(t([3.0, -1.0]), num_generations=1)
     torch.testing.assert_close(adv, t([0.0, 0.0]), atol=0, rtol=0)
-    assert stats == {"reward": 1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+    assert stats == {"reward": 1.0, "reward_std": pytest.approx(math.sqrt(8)), "frac_reward_zero_std": 1.0}
 
 
 def test_combined_rewards_feed_advantages():
-    # rewards from combine_rewards: [1 + 0, 0 (all NaN), 2 + 1, 4] -> groups (1, 0), (3, 4)
-    # scale none: [0.5, -0.5, -0.5, 0.5]
+    # rewards from combine_rewards: [1 + 0, NaN (all NaN), 2 + 1, 4] -> groups (1, NaN), (3, 4)
+    # scale none: group 0's mean is 1 (NaN left out): [0, 0 (unscorable)], group 1: [-0.5, 0.5]
     rewards = combine_rewards(t([[1.0, NAN], [NAN, NAN], [2.0, 1.0], [4.0, NAN]]), t([1.0, 1.0]))
     adv, _ = group_advantages(rewards, num_generations=2, scale="none")
-    torch.testing.assert_close(adv, t([0.5, -0.5, -0.5, 0.5]), atol=0, rtol=0)
+    torch.testing.assert_close(adv, t([0.0, 0.0, -0.5, 0.5]), atol=0, rtol=0)
 
 
 def test_integer_rewards_are_accepted():
@@ -160,3 +164,65 @@ def test_errors():
     with pytest.raises(ValueError, match="eps"):
         group_advantages(torch.zeros(4, dtype=F64), num_generations=2, eps=0.0)
     group_advantages(torch.zeros(4, dtype=F64), num_generations=2, scale="none", eps=0.0)  # eps unused
+
+
+# ---------------------------------------------------------------------------------------------
+# unscorable completions, nanstd, normalize_then_sum (TRL 1.16)
+# ---------------------------------------------------------------------------------------------
+def test_nanstd_is_bessel_corrected_and_ignores_nan():
+    x = t([[1.0, 2.0, 3.0, NAN], [4.0, NAN, NAN, NAN]])
+    # row 0: std of (1, 2, 3) = 1; row 1: one value -> NaN (undefined), as TRL's nanstd
+    torch.testing.assert_close(nanstd(x, dim=1), t([1.0, NAN]), equal_nan=True)
+    assert nanstd(t([0.0, 2.0])).item() == pytest.approx(math.sqrt(2))
+
+
+def test_unscorable_completion_is_left_out_and_gets_zero_advantage():
+    # group 0 = [1, NaN, 3, 5]: mean of (1, 3, 5) = 3, unbiased std 2 -> [-2, 0, 0, 2] / 2.0001
+    # group 1 = [0, 0, 0, 4]: mean 1, std 2 -> [-1, -1, -1, 3] / 2.0001
+    # (reward 0 instead of NaN would give group 0 mean 2.25 and the unscorable row -2.25 / 2.06...)
+    rewards = t([1.0, NAN, 3.0, 5.0, 0.0, 0.0, 0.0, 4.0])
+    adv, stats = group_advantages(rewards, num_generations=4)
+    expected = t([-2.0, 0.0, 0.0, 2.0, -1.0, -1.0, -1.0, 3.0]) / 2.0001
+    torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
+    # logged reward figures leave it out: mean of 7 values 13 / 7; std of those 7 (Bessel)
+    scored = t([1.0, 3.0, 5.0, 0.0, 0.0, 0.0, 4.0])
+    assert stats["reward"] == pytest.approx(13 / 7)
+    assert stats["reward_std"] == pytest.approx(scored.std().item())
+    assert stats["frac_reward_zero_std"] == 0.0
+
+
+def test_group_with_one_scorable_completion_gets_zero_advantages():
+    # [NaN, 2]: std undefined (NaN) -> every advantage 0 and the group does not count as zero-std (TRL)
+    adv, stats = group_advantages(t([NAN, 2.0, 0.0, 1.0]), num_generations=2)
+    assert adv[:2].tolist() == [0.0, 0.0]
+    assert stats["frac_reward_zero_std"] == 0.0
+
+
+def test_normalize_then_sum_hand_values():
+    # G = 2, two functions, weights (1, 2):
+    # f0 groups (0, 2), (1, 1): normalised [-1, 1] / (sqrt 2 + 1e-4), [0, 0]
+    # f1 groups (1, NaN), (0, 4): [0, NaN], [-1, 1] * 2 / (2 sqrt 2 + 1e-4)
+    per_function = t([[0.0, 1.0], [2.0, NAN], [1.0, 0.0], [1.0, 4.0]])
+    w = t([1.0, 2.0])
+    a = 1 / (math.sqrt(2) + 1e-4)
+    b = 2 / (2 * math.sqrt(2) + 1e-4)
+    summed = t([-a + 0.0, a, 0.0 - 2 * b, 0.0 + 2 * b])
+    centred = summed - summed.mean()
+    expected = centred / (summed.std() + 1e-4)
+    adv, rewards, stats = advantages_of(per_function, w, 2, "group", "normalize_then_sum")
+    torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rewards, t([2.0, 2.0, 1.0, 9.0]), atol=0, rtol=0)
+    assert stats["reward"] == pytest.approx(3.5)
+    assert stats["frac_reward_zero_std"] == 0.0
+
+
+def test_sum_then_normalize_is_combine_then_group():
+    per_function = t([[0.0, 1.0], [2.0, NAN], [NAN, NAN], [1.0, 4.0]])
+    w = t([1.0, 0.5])
+    adv, rewards, stats = advantages_of(per_function, w, 2, "batch", "sum_then_normalize")
+    ref_adv, ref_stats = group_advantages(combine_rewards(per_function, w), 2, scale="batch")
+    torch.testing.assert_close(adv, ref_adv, atol=0, rtol=0)
+    assert stats == ref_stats
+    assert math.isnan(rewards[2].item()) and adv[2].item() == 0.0
+    with pytest.raises(ValueError, match="aggregation"):
+        advantages_of(per_function, w, 2, "group", "sum")

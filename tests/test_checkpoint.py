@@ -112,6 +112,41 @@ def test_kill9_then_resume_is_bitwise_identical(tmp_path):
     assert ra == rb  # the metrics file was cut back to the checkpoint, then continued identically
 
 
+@pytest.mark.slow
+def test_adaptive_entropy_kill9_then_resume_is_bitwise_identical(tmp_path):
+    """The adaptive entropy coefficient (and the last step's entropy that gates it) survive kill -9: the
+    resumed run continues bit for bit, its coefficient included. Target 10 nats: the tiny model sits below
+    it, so the bonus is on from step 2 and the coefficient grows every step; top 50% entropy tokens."""
+    sets = (
+        "train.max_steps=8",
+        "output.save_every=3",
+        "algorithm.use_adaptive_entropy=true",
+        "algorithm.entropy_coef=0.01",
+        "algorithm.entropy_coef_delta=0.02",
+        "algorithm.entropy_target=10",
+        "algorithm.top_entropy_quantile=0.5",
+    )
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, *sets).returncode == 0
+    kill_at = random.Random().randint(4, 7)
+    proc = start(run, *sets)
+    wait_for(lambda: steps_logged(run) >= kill_at, proc=proc)
+    kill9(proc)
+    assert not (run / "final").exists()
+    saved = checkpoint.load_state(run / "checkpoints" / "step-3")
+    assert saved.controllers["entropy"]["entropy_coef"] == pytest.approx(0.01 + 3 * 0.02)
+    p = train(run, *sets)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resuming from" in p.stdout
+    a, b = final_weights(ref), final_weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a), f"killed at step {kill_at}"
+    coef = [
+        [json.loads(x)["entropy_coef"] for x in (r / "metrics.jsonl").read_text().splitlines()]
+        for r in (ref, run)
+    ]
+    assert coef[0] == coef[1] == pytest.approx([0.01 + 0.02 * k for k in range(1, 9)])
+
+
 def test_kill9_two_ranks_then_resume(tmp_path):
     sets = (
         "train.max_steps=8",

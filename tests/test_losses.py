@@ -13,7 +13,9 @@ import math
 import pytest
 import torch
 
-from gpufleet.rl.losses import LEVELS, LOSS_TYPES, policy_loss
+from gpufleet.rl.losses import LEVELS, LossOptions, policy_loss
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the PPO-clip types the hand cases below cover
 
 F64 = torch.float64
 LOSS_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"}
@@ -80,7 +82,7 @@ def test_token_level_hand_values(loss_type):
 #   grpo    = (-1.1051709180756477 + 1.6) / 2 = 0.24741454096217613
 #   bnpo    = (2 * -1.1051709180756477 + 3 * 1.6) / 5 = 2.5896581638487046 / 5 = 0.5179316327697409
 #   dr_grpo = 2.5896581638487046 / 8 = 0.3237072704810881
-#   stats: the 3 valid tokens of row 1 are low-clipped: low 3/5, high 0, region 3/5
+#   stats: sequence 1 of 2 is low-clipped (TRL counts sequences at this level): low 1/2, high 0, region 1/2
 # Token level on the same inputs:
 #   row 0 (A=+1): e^0.3 = 1.34986 -> clipped to 1.2 -> -1.2 ; e^-0.1 = 0.9048374180359595 -> -0.90484
 #   row 1 (A=-2): e^-0.6 = 0.54881 -> min(-1.0976, -1.6) -> 1.6 (clipped) ; e^0 = 1 -> 2.0 ;
@@ -108,7 +110,7 @@ CASE_B_LOSS = {
         "dr_grpo": 0.38689532274550506,
     },
 }
-CASE_B_STATS = {"sequence": (0.6, 0.0, 0.6), "token": (0.4, 0.2, 0.6)}
+CASE_B_STATS = {"sequence": (0.5, 0.0, 0.5), "token": (0.4, 0.2, 0.6)}
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -475,3 +477,64 @@ def test_value_errors():
         policy_loss(logprobs, old, adv, mask[:, :2])
     with pytest.raises(ValueError, match="old_logprobs"):
         policy_loss(logprobs, old[:1], adv, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL bias correction (DeepSeek-V3.2, TRL use_bias_correction_kl): kl * r with r = exp(logp - old).
+#   d/dlogp [k3(ref - logp) * r] = r (1 - e^x) + r k3(x) = r (1 - e^x + e^x - x - 1) = -r x   (x = ref - logp)
+# On-policy (r = 1 in value): grpo, beta 0.1, 2 valid tokens: grad = 0.05 * -x = [-0.025, 0.025, 0];
+#   the loss value is unchanged (0.1 * 0.1276259652063808), the gradient is not (uncorrected: 0.05 (1 - e^x)).
+# Off-policy, r = [2, 1] on the valid tokens: kl stat = (2 * 0.14872127070012819 + 0.10653065971263342) / 2
+#   = 0.2019866005564449 ; grad = 0.05 * -r x = [-0.05, 0.025, 0].
+# ---------------------------------------------------------------------------------------------
+def test_kl_bias_correction_on_policy_changes_gradient_only():
+    logprobs, old, adv, mask, ref = kl_inputs(0.0)
+    loss, grad, stats = loss_and_grad(
+        logprobs, old, adv, mask, ref_logprobs=ref, beta=0.1, kl_bias_correction=True
+    )
+    assert loss.item() == pytest.approx(0.01276259652063808, abs=1e-12)
+    assert stats["kl"] == pytest.approx(0.1276259652063808, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[-0.025, 0.025, 0.0]], dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_kl_bias_correction_off_policy_value_stat_and_gradient():
+    logprobs, _, adv, mask, ref = kl_inputs(0.0)
+    old = logprobs.detach() - torch.tensor([[math.log(2.0), 0.0, 7.0]], dtype=F64)  # r = 2, 1, (masked)
+    loss, grad, stats = loss_and_grad(
+        logprobs, old, adv, mask, ref_logprobs=ref, beta=0.1, kl_bias_correction=True
+    )
+    assert stats["kl"] == pytest.approx(0.2019866005564449, abs=1e-12)
+    assert loss.item() == pytest.approx(0.1 * 0.2019866005564449, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[-0.05, 0.025, 0.0]], dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_kl_bias_correction_at_sequence_level_uses_the_sequence_ratio():
+    # s = exp(mean(log 2, 0)) = sqrt 2 multiplies both tokens' k3; d s / d logp_t = s / 2.
+    logprobs, _, adv, mask, ref = kl_inputs(0.0)
+    old = logprobs.detach() - torch.tensor([[math.log(2.0), 0.0, 7.0]], dtype=F64)
+    k3 = torch.tensor([0.14872127070012819, 0.10653065971263342], dtype=F64)
+    x = torch.tensor([0.5, -0.5], dtype=F64)
+    s = math.sqrt(2.0)
+    _, grad, stats = loss_and_grad(
+        logprobs, old, adv, mask, ref_logprobs=ref, beta=0.1, level="sequence", kl_bias_correction=True
+    )
+    assert stats["kl"] == pytest.approx(s * k3.mean().item(), abs=1e-12)
+    expected = 0.05 * (s * (1 - torch.exp(x)) + k3.sum() * s / 2)
+    torch.testing.assert_close(grad[0, :2], expected, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# delta (INTELLECT-2 two-sided clip): ratio 3 with A = -2, eps 0.2: PPO keeps -min(-6, -2.4) = 6;
+# delta 1.5 caps the ratio: -min(-3, -2.4) = 3, gradient 0 (capped). Row 0, A = +1, ratio 3:
+# min(1.5, 1.2) = 1.2 either way (high-clipped, counted). grpo mean over 2 rows of 1 token each.
+# ---------------------------------------------------------------------------------------------
+def test_delta_caps_the_unclipped_ratio():
+    logprobs, old, adv, mask = make_inputs(
+        log_ratio=[[math.log(3.0)], [math.log(3.0)]], advantages=[1.0, -2.0], mask=[[1], [1]]
+    )
+    loss, grad, stats = loss_and_grad(logprobs, old, adv, mask)
+    assert loss.item() == pytest.approx((-1.2 + 6.0) / 2, abs=1e-12)
+    loss, grad, stats = loss_and_grad(logprobs, old, adv, mask, options=LossOptions(delta=1.5))
+    assert loss.item() == pytest.approx((-1.2 + 3.0) / 2, abs=1e-12)
+    assert torch.all(grad == 0)
+    assert stats["clip_ratio/high_mean"] == pytest.approx(0.5)

@@ -76,6 +76,11 @@ def baseline(tmp_path_factory, *sets: str) -> Path:
         ("ddp", ()),
         ("fsdp", ()),
         ("ddp", ("algorithm.loss_type=dapo", "train.steps_per_generation=2")),
+        # the newer loss types (issue 16), off-policy on every second step
+        *[
+            pytest.param("ddp", (f"algorithm.name={n}", "train.steps_per_generation=2"), id=n)
+            for n in ("cispo", "sapo", "luspo", "vespo")
+        ],
     ],
 )
 def test_two_ranks_equal_one_rank(tmp_path, tmp_path_factory, strategy, extra):
@@ -118,6 +123,33 @@ def test_dedicated_scorer_equals_colocated(tmp_path):
 
     kl = [json.loads(x)["kl"] for x in (dedicated / "metrics.jsonl").read_text().splitlines()]
     assert kl[-1] > 0  # the reference model was really used
+
+
+@pytest.mark.slow
+def test_reference_sync_on_a_scorer_rank_equals_colocated_and_resumes(tmp_path):
+    """TR-DPO reference sync every step: the scorer rank receives the mixed weights as a colocated
+    reference mixes them; a run crashed after its step-2 checkpoint resumes to the same weights (the
+    scorer's mixed reference is saved and sent back)."""
+    common = (
+        "train.per_device_batch=8",
+        "train.max_steps=4",
+        "algorithm.beta=0.1",
+        "algorithm.sync_ref_model=true",
+        "algorithm.ref_model_sync_steps=1",
+        "algorithm.ref_model_mixup_alpha=0.5",
+        "placement.policy=0,1",
+    )
+    colocated, dedicated = tmp_path / "colocated", tmp_path / "dedicated"
+    p = train(colocated, *common, "placement.reference=colocate")
+    assert p.returncode == 0, p.stdout + p.stderr
+    crash = {"GPUFLEET_TEST_CRASH": "0:3"}  # rank 0 raises at the start of step 3, after checkpoint 2
+    p = train(dedicated, *common, "placement.reference=2", "output.save_every=2", env_extra=crash)
+    assert p.returncode != 0 and (dedicated / "checkpoints" / "step-2" / "reference.safetensors").is_file()
+    p = train(dedicated, *common, "placement.reference=2", "output.save_every=2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resuming from" in p.stdout
+    assert_moved(colocated)
+    assert_same_weights(colocated, dedicated)
 
 
 def test_failing_rank_stops_everything(tmp_path):

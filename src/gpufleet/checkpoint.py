@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,10 @@ def latest(run_dir: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------ save
 
 
+REFERENCE_FILE = "reference.safetensors"
+"""A synced reference model's weights (algorithm.sync_ref_model)."""
+
+
 @dataclass
 class TrainingState:
     """What a checkpoint restores besides the weights."""
@@ -104,6 +108,8 @@ class TrainingState:
     step: int
     scheduler: dict[str, Any]
     layout: dict[str, Any]
+    controllers: dict[str, Any] = field(default_factory=dict)
+    """Trainer state beyond the optimizer's (e.g. the adaptive entropy controller), by name."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -153,6 +159,8 @@ def save(
     rt,
     batch: dict | None,
     keep_last: int,
+    controllers: dict | None = None,
+    reference_state: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically (every policy rank calls this; rank 0 commits it)."""
     import torch.distributed as dist
@@ -177,8 +185,7 @@ def save(
             torch.save(optim_state, tmp / "optimizer.pt")
             _slow_hook()
             (tmp / "job.yaml").write_text(job_yaml, encoding="utf-8")
-            state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+            _write_state(tmp, step, scheduler, layout, controllers, reference_state)
             readable_by_all(tmp)
             for f in tmp.iterdir():
                 _fsync_file(f)
@@ -255,9 +262,30 @@ def load_optimizer(path: Path) -> dict:
     return torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
 
 
+def _write_state(tmp: Path, step: int, scheduler, layout, controllers, reference_state) -> None:
+    """trainer_state.json (step, scheduler, layout, controllers) and a synced reference's weights."""
+    if reference_state is not None:  # a synced (moving) reference: TR-DPO
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().clone() for k, v in reference_state.items()}, tmp / REFERENCE_FILE)
+    state = {"step": step, "scheduler": scheduler, "layout": layout, "time": time.time()}
+    state["controllers"] = controllers or {}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+
+
+def load_reference(path: Path) -> dict | None:
+    """The synced reference model's weights a checkpoint holds, or None."""
+    f = path / REFERENCE_FILE
+    if not f.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(f)
+
+
 def load_state(path: Path) -> TrainingState:
     data = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    return TrainingState(data["step"], data["scheduler"], data["layout"])
+    return TrainingState(data["step"], data["scheduler"], data["layout"], data.get("controllers", {}))
 
 
 def load_rng(path: Path, rank: int) -> dict | None:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpufleet.config.algorithm_section import AlgorithmSection
 from gpufleet.config.env_section import EnvSection
 from gpufleet.config.types import (  # noqa: F401  (re-exported: other modules import them from here)
     Command,
@@ -84,40 +85,14 @@ class RewardSection(Section):
     weights: FloatList | None = None
     """One weight per reward function (then one for `model`, if set). None: all 1.0."""
 
+    aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """How several rewards become one advantage (TRL's `multi_objective_aggregation`, same default):
+    `sum_then_normalize` (weighted sum, then algorithm.scale_rewards), or `normalize_then_sum` (each
+    function normalised within its group, then weighted, summed and divided by the batch std; GDPO,
+    arXiv 2601.05242; scale_rewards plays no part)."""
+
     model: str | None = None
     """Optional reward model (sequence classification with one label): hub id or local folder."""
-
-
-class AlgorithmSection(Section):
-    name: Literal["grpo", "gspo", "dr_grpo", "dapo"] = "grpo"
-    """Algorithm preset. It fills epsilon, epsilon_high, loss_type, importance_level and
-    scale_rewards where the job leaves them unset: grpo (token-level clip 0.2, per-sequence mean),
-    gspo (sequence-level ratio, clip 3e-4/4e-4, arXiv 2507.18071), dr_grpo (no std scaling, fixed
-    normaliser, arXiv 2503.20783), dapo (clip-higher 0.2/0.28, token-level mean, arXiv 2503.14476)."""
-
-    num_generations: int = Field(8, ge=1)
-    """Completions sampled per prompt (the group size G). Must be >= 2 and divide the generation batch."""
-
-    beta: float = Field(0.0, ge=0)
-    """KL penalty weight against the reference model (k3 estimator). 0: no reference model is loaded."""
-
-    epsilon: float | None = Field(None, ge=0)
-    """Lower clip range: ratio >= 1 - epsilon. Unset: from the preset."""
-
-    epsilon_high: float | None = Field(None, ge=0)
-    """Upper clip range: ratio <= 1 + epsilon_high. Unset: from the preset (= epsilon for grpo)."""
-
-    num_iterations: int = Field(1, ge=1)
-    """Optimisation passes over each generation batch (mu in the GRPO paper)."""
-
-    scale_rewards: Literal["group", "batch", "none"] | None = None
-    """Divide advantages by the std of the group, of the batch, or not at all. Unset: from the preset."""
-
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None
-    """How token losses are averaged (see `gpufleet.rl.losses.policy_loss`). Unset: from the preset."""
-
-    importance_level: Literal["token", "sequence"] | None = None
-    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO). Unset: from the preset."""
 
 
 class RolloutSection(Section):

@@ -1,6 +1,6 @@
 """Clipped policy-gradient loss of the GRPO family, as pure tensor math (torch only).
 
-One function, `policy_loss`, covers the variants that differ only in two places:
+One function, `policy_loss`, covers the variants that differ in three places:
 
 * where the importance ratio lives (`level`):
   - "token": one ratio per token, PPO style (GRPO, DeepSeekMath arXiv 2402.03300);
@@ -9,7 +9,12 @@ One function, `policy_loss`, covers the variants that differ only in two places:
   - "grpo": mean over each sequence's tokens, then mean over sequences (arXiv 2402.03300);
   - "bnpo": mean over all tokens of the batch;
   - "dr_grpo": token sum over a constant B * max_completion_length (Dr.GRPO, arXiv 2503.20783);
-  - "dapo": token sum over the global token count (DAPO, arXiv 2503.14476).
+  - "dapo": token sum over the global token count (DAPO, arXiv 2503.14476);
+  - "luspo": token sum of each sequence, mean over sequences (LUSPO, arXiv 2602.05261);
+  - "cispo", "vespo": global token mean as dapo; "sapo": as grpo.
+* the per-token surrogate (rl/surrogates.py): PPO clip (grpo, bnpo, dr_grpo, dapo, luspo), CISPO's
+  clipped detached IS weight (arXiv 2506.13585), SAPO's soft gate (arXiv 2511.20347), VESPO's Gamma
+  weight of the sequence ratio (arXiv 2602.10693).
 
 The math follows TRL's `GRPOTrainer._compute_loss` (1.16) so that loss curves are comparable.
 
@@ -24,8 +29,30 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+from gpufleet.rl import surrogates
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS: tuple[str, ...] = ("token", "sequence")
+SEQUENCE_MEAN = ("grpo", "sapo")
+"""Loss types whose loss is the mean over sequences of each sequence's token mean."""
+GLOBAL_TOKEN_MEAN = ("dapo", "cispo", "vespo")
+"""Loss types whose loss is the token sum over the global number of valid tokens."""
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The knobs of the family's newer members (defaults: TRL 1.16's)."""
+
+    delta: float | None = None
+    """INTELLECT-2 two-sided clip: cap the unclipped ratio at delta (PPO-clip types). None: off."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for A > 0."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for A <= 0."""
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
+    """VESPO's (k_pos, lambda_pos, k_neg, lambda_neg)."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask threshold. None: off."""
 
 
 def _k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -57,6 +84,9 @@ def policy_loss(
     beta: float = 0.0,
     max_completion_length: int | None = None,
     normalizer: float | None = None,
+    kl_bias_correction: bool = False,
+    options: LossOptions = LossOptions(),  # noqa: B008 (frozen, never mutated)
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss (plus optional k3 KL penalty) of a group-relative RL step.
 
@@ -88,12 +118,22 @@ def policy_loss(
             share and the summed gradient does not depend on how the batch was split across
             micro-batches or ranks. Must be > 0: a trainer that may see zero valid tokens
             should pass max(count, 1).
+        kl_bias_correction: multiply the per-token k3 KL by the importance ratio (with its
+            gradient), DeepSeek-V3.2's unbiased reverse-KL gradient (arXiv 2512.02556), as TRL's
+            `use_bias_correction_kl`. On-policy the ratio is 1 in value but not in gradient. At
+            level "sequence" the sequence's ratio multiplies each of its tokens' KL (as TRL).
+        options: `delta` (two-sided clip, INTELLECT-2 arXiv 2505.07291: the unclipped ratio is
+            capped at delta before the min), SAPO's temperatures, VESPO's (k, lambda) pairs and the
+            off-policy sequence mask threshold (`LossOptions`; rl/surrogates.py has the formulas).
+        token_weights: (B, T) 0/1 weights of the policy term only (the KL keeps every token), e.g.
+            the top-entropy token mask; None: all 1.
 
     Returns:
         (loss, stats): `loss` is a 0-d tensor; `stats` holds python floats computed without
-        gradient over valid tokens only: "clip_ratio/low_mean" (ratio < 1 - epsilon and A < 0),
-        "clip_ratio/high_mean" (ratio > 1 + epsilon_high and A > 0), "clip_ratio/region_mean"
-        (either) and "kl" (masked mean of the k3 KL, 0.0 without `ref_logprobs`). With an
+        gradient: "clip_ratio/low_mean" (ratio < 1 - epsilon and A < 0), "clip_ratio/high_mean"
+        (ratio > 1 + epsilon_high and A > 0), "clip_ratio/region_mean" (either) — fractions of
+        valid tokens at level "token", of sequences (rows) at level "sequence", as TRL — and "kl"
+        (masked token mean of the (corrected) k3 KL, 0.0 without `ref_logprobs`). With an
         all-zero mask the loss is 0 and every stat is 0.0.
 
     Raises:
@@ -101,8 +141,8 @@ def policy_loss(
             `ref_logprobs`, "dr_grpo" without `max_completion_length` or `normalizer`, or a
             `normalizer` that is not > 0.
     """
-    # Longer than 60 lines on purpose: ratio, clip, KL and stats read top to bottom as the papers write
-    # them; the checks (_check_options, _check_shapes) and the aggregation (_aggregate) are already apart.
+    # Reads top to bottom as the papers write it: ratio, surrogate, masks, KL, aggregation; the checks,
+    # the ratio, the surrogates (rl/surrogates.py) and the aggregation are helpers.
     normalizer = _check_options(
         loss_type, level, beta, ref_logprobs is not None, max_completion_length, normalizer
     )
@@ -119,38 +159,66 @@ def policy_loss(
     # log(pi / pi_old), forced to 0 at masked positions: padding may hold garbage (even -inf),
     # and 0 * inf would otherwise turn the loss or the gradient into NaN.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zero)
-    if level == "token":
-        log_weight = log_ratio  # (B, T)
-    else:
-        # GSPO (arXiv 2507.18071): s_i = exp(mean_t log r_it) over the sequence's valid tokens,
-        # the same weight for every token of the sequence; as TRL importance_sampling_level="sequence".
-        log_weight = (log_ratio.sum(-1) / mask_f.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-    ratio = torch.exp(log_weight)
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    # PPO clipped surrogate (arXiv 1707.06347), negated into a loss; broadcasts to (B, T).
-    per_token = -torch.minimum(ratio * adv, clipped * adv).expand(shape)
+    ratio = _importance_ratio(log_ratio, mask_f, level)
+    per_token, stats = _surrogate(
+        loss_type, ratio, adv, logprobs, log_ratio, valid, epsilon, epsilon_high, options
+    )
+    per_token = per_token.expand(shape)
+    if options.off_policy_mask_threshold is not None:  # DeepSeek-V3.2 off-policy sequence mask
+        per_token = per_token * surrogates.off_policy_mask(
+            adv, log_ratio, mask_f, options.off_policy_mask_threshold
+        )
+    if token_weights is not None:  # e.g. the top-entropy token mask (only the policy term, as TRL)
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     kl = None
     if ref_logprobs is not None:
         # k3 KL estimator, http://joschu.net/blog/kl-approx.html ; 0 at masked positions.
         kl = _k3_kl(torch.where(valid, ref_logprobs.detach() - logprobs, zero))
+        if kl_bias_correction:  # DeepSeek-V3.2: times the (differentiable) importance ratio
+            kl = kl * ratio
         if beta != 0.0:
             per_token = per_token + beta * kl
 
     loss = _aggregate(per_token * mask_f, mask_f, loss_type, normalizer, max_completion_length)
-
-    with torch.no_grad():
-        r = ratio.detach().expand(shape)
-        a = adv.expand(shape)
-        is_low = (r < 1.0 - epsilon) & (a < 0)
-        is_high = (r > 1.0 + epsilon_high) & (a > 0)
-        stats = {
-            "clip_ratio/low_mean": _masked_fraction(is_low, valid),
-            "clip_ratio/high_mean": _masked_fraction(is_high, valid),
-            "clip_ratio/region_mean": _masked_fraction(is_low | is_high, valid),
-            "kl": 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item(),
-        }
+    stats["kl"] = 0.0 if kl is None else (kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item()
     return loss, stats
+
+
+def _importance_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor, level: str) -> torch.Tensor:
+    """exp(log r): (B, T) at level "token"; at "sequence" GSPO's (arXiv 2507.18071) s_i = exp(mean_t log r_it)
+    over the sequence's valid tokens, (B, 1), as TRL importance_sampling_level="sequence"."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    return torch.exp(log_ratio.sum(-1, keepdim=True) / mask_f.sum(-1, keepdim=True).clamp(min=1.0))
+
+
+def _surrogate(loss_type, ratio, adv, logprobs, log_ratio, valid, epsilon, epsilon_high, options):
+    """The per-token loss of `loss_type` (rl/surrogates.py) and its statistics (floats, no gradient): the
+    clip fractions of the PPO-clip family (of valid tokens; of rows when `ratio` is per sequence, as TRL),
+    "cispo_clip_ratio" for cispo, "vespo/phi_seq_mean" (mean over rows) for vespo, none for sapo."""
+    where = valid if ratio.shape[-1] == valid.shape[-1] else torch.ones_like(ratio, dtype=torch.bool)
+    stats: dict[str, float] = {}
+    if loss_type == "cispo":
+        per_token = surrogates.cispo(ratio, adv, torch.where(valid, logprobs, 0.0), epsilon_high)
+        with torch.no_grad():
+            stats["cispo_clip_ratio"] = _masked_fraction((ratio > epsilon_high) & (adv > 0), where)
+    elif loss_type == "sapo":
+        per_token = surrogates.sapo(ratio, adv, options.sapo_temperature_pos, options.sapo_temperature_neg)
+    elif loss_type == "vespo":
+        phi = surrogates.vespo_weights(adv, log_ratio, valid.to(ratio.dtype), *options.vespo)
+        per_token = -phi * adv * torch.where(valid, logprobs, 0.0)
+        stats["vespo/phi_seq_mean"] = phi.mean().item() if phi.numel() else 0.0
+    else:
+        per_token, capped = surrogates.ppo_clip(ratio, adv, epsilon, epsilon_high, options.delta)
+        with torch.no_grad():
+            r = capped.detach()
+            is_low = (r < 1.0 - epsilon) & (adv < 0)
+            is_high = (r > 1.0 + epsilon_high) & (adv > 0)
+            stats["clip_ratio/low_mean"] = _masked_fraction(is_low, where)
+            stats["clip_ratio/high_mean"] = _masked_fraction(is_high, where)
+            stats["clip_ratio/region_mean"] = _masked_fraction(is_low | is_high, where)
+    return per_token, stats
 
 
 def _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs) -> None:
@@ -198,18 +266,22 @@ def _aggregate(
 ) -> torch.Tensor:
     """The masked per-token losses (B, T) reduced to the loss as `loss_type` says (module docstring)."""
     shape = per_token.shape
-    if loss_type == "grpo":
+    if loss_type in SEQUENCE_MEAN:
         # DeepSeekMath GRPO: per-sequence token mean, then mean over sequences.
         seq_mean = per_token.sum(-1) / mask_f.sum(-1).clamp(min=1.0)
         denom = normalizer if normalizer is not None else max(shape[0], 1)
         loss = seq_mean.sum() / denom
+    elif loss_type == "luspo":
+        # LUSPO (arXiv 2602.05261): each sequence's token *sum* (its length scales it), mean over sequences.
+        denom = normalizer if normalizer is not None else max(shape[0], 1)
+        loss = per_token.sum() / denom
     elif loss_type == "dr_grpo":
         # Dr.GRPO (arXiv 2503.20783): a constant denominator removes the length bias.
         denom = normalizer if normalizer is not None else max(shape[0] * max_completion_length, 1)
         loss = per_token.sum() / denom
     else:
-        # "bnpo": tokens of this call; "dapo" (arXiv 2503.14476): token-level mean, with the
-        # trainer passing the global token count as `normalizer`.
+        # "bnpo": tokens of this call; "dapo" (arXiv 2503.14476), "cispo", "vespo": token-level mean,
+        # with the trainer passing the global token count as `normalizer`.
         denom = normalizer if normalizer is not None else mask_f.sum().clamp(min=1.0)
         loss = per_token.sum() / denom
 
@@ -230,6 +302,8 @@ class Loss:
     epsilon_high: float | None = None
     beta: float = 0.0
     max_completion_length: int | None = None
+    kl_bias_correction: bool = False
+    options: LossOptions = LossOptions()
 
     @classmethod
     def from_job(cls, job) -> Loss:
@@ -241,10 +315,18 @@ class Loss:
             a.epsilon_high,
             a.beta,
             job.completion_tokens(),  # dr_grpo's constant L: an episode's token budget with an env
+            a.kl_bias_correction,
+            LossOptions(
+                a.delta,
+                a.sapo_temperature_pos,
+                a.sapo_temperature_neg,
+                (a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
+                a.off_policy_mask_threshold,
+            ),
         )
 
     def __call__(
-        self, logprobs: torch.Tensor, batch, normalizer: float | None = None
+        self, logprobs: torch.Tensor, batch, normalizer: float | None = None, token_weights=None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
         return policy_loss(
@@ -260,6 +342,9 @@ class Loss:
             beta=self.beta,
             max_completion_length=self.max_completion_length,
             normalizer=normalizer,
+            kl_bias_correction=self.kl_bias_correction,
+            options=self.options,
+            token_weights=token_weights,
         )
 
     def normalizer(self, rows: int, tokens: int, global_tokens: int, ranks: int) -> float:
@@ -267,12 +352,19 @@ class Loss:
         of all policy ranks and the rank count: rows for grpo, valid tokens for dapo, rows x
         max_completion_length for dr_grpo (all global); bnpo uses this rank's tokens, as its definition
         says."""
-        return {
-            "grpo": rows * ranks,
-            "bnpo": max(tokens, 1),
-            "dapo": max(global_tokens, 1),
-            "dr_grpo": rows * ranks * (self.max_completion_length or 0),
-        }[self.loss_type]
+        if self.loss_type in (*SEQUENCE_MEAN, "luspo"):
+            return rows * ranks
+        if self.loss_type == "bnpo":
+            return max(tokens, 1)
+        if self.loss_type == "dr_grpo":
+            return rows * ranks * (self.max_completion_length or 0)
+        return max(global_tokens, 1)  # dapo, cispo, vespo
+
+    def by_rows(self, key: str) -> bool:
+        """Whether the statistic `key` is a mean over sequences (weighted by rows across micro-batches and
+        ranks) rather than over valid tokens: VESPO's weight, and the clip fractions at level sequence (TRL's
+        `global_masked_mean` of a per-sequence tensor)."""
+        return key == "vespo/phi_seq_mean" or (self.level == "sequence" and key != "kl")
 
     def rank_scale(self, ranks: int) -> int:
         """DDP and FSDP average gradients over ranks: the loss is multiplied by this so that the reduced

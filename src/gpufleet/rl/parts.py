@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
 from gpufleet.rl.data import PromptSource
+from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
 from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype
 from gpufleet.rl.rewards import Rewards
@@ -34,6 +35,10 @@ class Parts:
     """With an env: this rank's way to its environments (env/client.py `EnvPool` or `LocalPool`)."""
     suppress_tokens: tuple[int, ...] = ()
     """Token ids the policy never samples nor scores (rl/sampling.py `never_sampled`: a pad that is not EOS)."""
+    entropy: EntropyControl = field(default_factory=EntropyControl)
+    """The entropy bonus's coefficient and adaptive controller (its state goes into checkpoints)."""
+    pending_ref_mixes: list = field(default_factory=list)
+    """(alpha, policy parameters) of reference syncs not yet sent to the scorer rank (rl/refsync.py)."""
 
     @property
     def device(self) -> torch.device:
@@ -103,7 +108,18 @@ def build(
     loss = Loss.from_job(job)
     suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)
     return Parts(
-        job, rt, policy, train_model, reference, tokenizer, source, rewards, loss, env, suppress_tokens
+        job,
+        rt,
+        policy,
+        train_model,
+        reference,
+        tokenizer,
+        source,
+        rewards,
+        loss,
+        env,
+        suppress_tokens,
+        EntropyControl.from_job(job),
     )
 
 

@@ -70,7 +70,25 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
         rt=p.rt,
         batch=batch,
         keep_last=p.job.output.keep_last,
+        controllers={"entropy": p.entropy.state_dict()} if p.entropy.adaptive else None,
+        reference_state=_reference_state(p),
     )
+
+
+def _reference_state(p) -> dict | None:
+    """The synced reference's weights to checkpoint: the colocated copy's, or the scorer rank's (asked for,
+    together by every policy rank); None without algorithm.sync_ref_model."""
+    if not p.job.algorithm.sync_ref_model:
+        return None
+    if p.reference is not None:
+        return p.reference.state_dict()
+    if p.rt.dedicated("reference"):
+        from gpufleet.rl import scorer
+
+        state = scorer.reference_state(p.rt, p.pending_ref_mixes)
+        p.pending_ref_mixes.clear()  # applied by the scorer
+        return state
+    return None
 
 
 def check(ckpt: Path, job, global_batch: int) -> list[str]:
@@ -98,6 +116,13 @@ def restore(p, opt, sched, ckpt: Path, out_dir: Path) -> tuple[int, Scored | Non
         p.train_model, opt, checkpoint.load_optimizer(ckpt), options=StateDictOptions(full_state_dict=full)
     )
     sched.load_state_dict(state.scheduler)
+    reference = checkpoint.load_reference(ckpt)
+    if reference is not None and p.reference is not None:
+        p.reference.load_state_dict(reference)
+    elif reference is not None:  # on a scorer rank: sent with the next request, before any sync
+        p.pending_ref_mixes.insert(0, ("state", reference))
+    if p.entropy.adaptive and "entropy" in state.controllers:
+        p.entropy.load_state_dict(state.controllers["entropy"])
     rng = checkpoint.load_rng(ckpt, p.rt.rank)
     if rng is not None:
         checkpoint.set_rng_state(rng)

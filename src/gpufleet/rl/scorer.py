@@ -56,10 +56,15 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
         if all(p is None for p in payloads):
             dist.scatter_object_list([None], [{}] * members, src=rt.rank, group=group)
             return
+        _apply_ref_mixes(reference, payloads)
         answers = []
         for p in payloads:
             if p is None:
                 answers.append({})
+                continue
+            if p.get("want_reference"):
+                state = reference.state_dict() if reference is not None else None
+                answers.append({"reference_state": {k: v.cpu() for k, v in state.items()} if state else None})
                 continue
             out: dict = {}
             if reference is not None:
@@ -85,3 +90,24 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
                 out["rm_scores"] = reward_model(p["prompts"], p["completions"])
             answers.append(out)
         dist.scatter_object_list([None], answers, src=rt.rank, group=group)
+
+
+def _apply_ref_mixes(reference, payloads: list) -> None:
+    """Reference syncs (TR-DPO) sent with this round, in order (every policy rank sends the same ones: the
+    first payload's are applied)."""
+    from gpufleet.rl.refsync import mix_into
+
+    sent = [p for p in payloads if p is not None and p.get("ref_mixes")]
+    if reference is None or not sent:
+        return
+    for mix in sent[0]["ref_mixes"]:
+        if mix[0] == "state":  # a resumed run's saved reference
+            reference.load_state_dict(mix[1])
+        else:
+            mix_into(reference, mix[1], mix[0])
+
+
+def reference_state(rt: Runtime, ref_mixes: list) -> dict | None:
+    """The scorer's (synced) reference weights, for a checkpoint, after the syncs not yet sent (`ref_mixes`,
+    applied first); every policy rank calls this together."""
+    return request(rt, {"want_reference": True, "ref_mixes": list(ref_mixes)}).get("reference_state")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +20,7 @@ from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
 from gpufleet.rl import scorer
-from gpufleet.rl.advantages import combine_rewards, group_advantages
+from gpufleet.rl.advantages import advantages_of, unscorable
 from gpufleet.rl.batch import (
     GenerationBatch,
     Scored,
@@ -28,12 +30,10 @@ from gpufleet.rl.batch import (
     reuse_count,
     tokenize_prompts,
 )
+from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rollout import sequence_logprobs
-
-_TOKEN_WEIGHTED = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-"""Loss statistics averaged over the step's valid tokens (each micro-batch weighted by its share)."""
 
 
 def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
@@ -59,6 +59,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         prompt_ids, prompts, columns = _prompts(p, row_pos)
         rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
         loss_mask = rollout.completion_mask.float()
+        if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
+            loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
         completions = p.tokenizer.batch_decode(
             rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
         )
@@ -71,13 +73,16 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early)
+    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes)
+    p.pending_ref_mixes.clear()
     per_function = p.rewards(
         prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
     )
+    warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)
-    rewards_all = combine_rewards(per_function_all, p.rewards.weights)
-    advantages, stats = group_advantages(rewards_all, G, scale=job.algorithm.scale_rewards)
+    advantages, rewards_all, stats = advantages_of(
+        per_function_all, p.rewards.weights, G, job.algorithm.scale_rewards, job.reward.aggregation
+    )
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
     _add_logprobs(p, batch, remote, autocast)
     if episodes is not None:
@@ -92,6 +97,20 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         stats,
         segments=episodes.segments if episodes else None,
     )
+
+
+def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions: list[str]) -> None:
+    """One warning line (stderr, from the rank that holds the rows) when every reward function returned None
+    for some completions: they get no reward and advantage 0 (TRL 1.16 warns likewise)."""
+    rows = unscorable(per_function).nonzero().flatten().tolist()
+    if rows:
+        i = rows[0]
+        print(
+            f"gpufleet: warning: every reward function returned None for {len(rows)} completion(s), e.g. "
+            f"prompt {prompts[i]!r}, completion {completions[i]!r}: they get advantage 0 and are left out "
+            "of the reward metrics; make at least one reward function score every completion.",
+            file=sys.stderr,
+        )
 
 
 def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list]]:
@@ -115,9 +134,11 @@ def _ask_scorers(
     completions: list[str],
     suppress_tokens=(),
     early=(None, 0),
+    ref_mixes=(),
 ) -> dict:
     """Reference log-probs / reward-model scores from the dedicated scorer ranks ({} when there are none);
-    the reference scores with the policy's `suppress_tokens` (and `early` EOS) removed, as the policy does."""
+    the reference scores with the policy's `suppress_tokens` (and `early` EOS) removed, as the policy does.
+    `ref_mixes`: reference syncs (and a resumed reference state) the scorer applies first."""
     if not rt.scorers:
         return {}
     payload = {
@@ -128,6 +149,7 @@ def _ask_scorers(
         "completions": completions,
         "suppress_tokens": tuple(suppress_tokens),
         "early": tuple(early),
+        "ref_mixes": list(ref_mixes),  # from every policy rank (each node's scorer needs them); applied once
     }
     return scorer.request(rt, payload)
 
@@ -168,45 +190,104 @@ def _add_logprobs(p: Parts, batch: GenerationBatch, remote: dict, autocast) -> N
         batch.ref_logprobs = remote["ref_logprobs"].to(p.device)
 
 
+@dataclass(frozen=True)
+class EntropyGate:
+    """What one optimizer step's micro-batches share about entropy (rl/entropy.py): the high-entropy
+    threshold (None: every token is trained), the global count of trained tokens, the bonus coefficient."""
+
+    threshold: float | None
+    trained: int
+    coef: float
+
+
 def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str, float]:
     """Accumulate over micro-batches with the step-wide normaliser; clip; step. Returns loss metrics."""
     rt, t = p.rt, p.job.train
     tokens = batch.num_tokens
     global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
-    totals = dict.fromkeys(("loss", *_TOKEN_WEIGHTED, "entropy"), 0.0)
-    opt.zero_grad(set_to_none=True)
+    totals = dict.fromkeys(("loss", "entropy"), 0.0)
     micro_batches = batch.split(t.micro_batch or t.per_device_batch)
+    gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
+    opt.zero_grad(set_to_none=True)
     for k, mb in enumerate(micro_batches):
         sync = k == len(micro_batches) - 1
-        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
+        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate)
     grad_norm = _clip_gradients(p)
     opt.step()
-    # Metrics: token-weighted shares were taken of the global count, so a sum over ranks is the mean.
-    for key in (*_TOKEN_WEIGHTED, "entropy"):
+    # Metrics: each micro-batch's share was taken of the global count, so a sum over ranks is the mean.
+    for key in sorted(k for k in totals if k != "loss"):  # the same keys, in the same order, on every rank
         totals[key] = float(all_reduce_sum(rt, totals[key]))
     totals["loss"] = p.loss.global_loss(float(all_reduce_sum(rt, totals["loss"])), rt.policy_size)
+    trained_entropy = totals.pop("_trained_entropy", None)
+    if trained_entropy is not None:  # the bonus was on: TRL's loss includes it, policy_loss does not
+        totals["policy_loss"] = totals["loss"]
+        totals["loss"] -= gate.coef * trained_entropy
+        p.entropy.update(trained_entropy)
+        totals["entropy_coef"] = p.entropy.coef
     totals["grad_norm"] = float(grad_norm)
     return totals
 
 
+def _entropy_gate(
+    p: Parts, micro_batches: list[GenerationBatch], global_tokens: int, autocast
+) -> EntropyGate:
+    """The step's high-entropy threshold over every rank's valid tokens (a no-grad forward of the step's
+    micro-batches first, only when algorithm.top_entropy_quantile < 1) and the bonus coefficient."""
+    q = p.job.algorithm.top_entropy_quantile
+    coef = p.entropy.applied()
+    if q >= 1.0:
+        return EntropyGate(None, global_tokens, coef)
+    local = []
+    with torch.no_grad(), autocast():
+        for mb in micro_batches:
+            _, entropy = _forward(p, mb)
+            local.append(entropy.float()[mb.completion_mask.bool()])
+    values = _gather_values(p.rt, torch.cat(local))
+    threshold = entropy_threshold(values, q)
+    return EntropyGate(threshold, int((values >= threshold).sum()), coef)
+
+
+def _gather_values(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
+    """Every policy rank's 1-D `local` values, concatenated (ranks may hold different counts)."""
+    counts = [int(c) for c in torch.cat(all_gather_rows(rt, torch.tensor([local.numel()])))]
+    padded = torch.cat([local, local.new_zeros(max(counts) - local.numel())])
+    return torch.cat([x[:n] for x, n in zip(all_gather_rows(rt, padded), counts, strict=True)])
+
+
+def _forward(p: Parts, mb: GenerationBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of a micro-batch under the trained policy."""
+    return sequence_logprobs(
+        p.train_model,
+        mb.input_ids,
+        mb.attention_mask,
+        mb.completion_start,
+        temperature=p.job.rollout.temperature,
+        suppress_tokens=p.suppress_tokens,
+        eos_token_id=p.early[0],
+        min_new_tokens=p.early[1],
+    )
+
+
 def _accumulate(
-    p: Parts, mb: GenerationBatch, sync: bool, normalizer: float, global_tokens: int, totals: dict, autocast
+    p: Parts,
+    mb: GenerationBatch,
+    sync: bool,
+    normalizer: float,
+    global_tokens: int,
+    totals: dict,
+    autocast,
+    gate: EntropyGate,
 ) -> None:
     """Forward and backward of one micro-batch; add its share of the step's metrics to `totals`."""
+    ranks = p.rt.policy_size
     with no_sync(p.train_model, sync), autocast():
-        logp, entropy = sequence_logprobs(
-            p.train_model,
-            mb.input_ids,
-            mb.attention_mask,
-            mb.completion_start,
-            temperature=p.job.rollout.temperature,
-            suppress_tokens=p.suppress_tokens,
-            eos_token_id=p.early[0],
-            min_new_tokens=p.early[1],
+        logp, entropy = _forward(p, mb)
+        logp, entropy = logp.float(), entropy.float()
+        trained = (
+            None if gate.threshold is None else high_entropy_mask(entropy, mb.completion_mask, gate.threshold)
         )
-        logp = logp.float()
-        loss, stats = p.loss(logp, mb, normalizer)
+        loss, stats = p.loss(logp, mb, normalizer, trained)
         if not torch.isfinite(loss):
             bad = (~torch.isfinite(logp) & mb.completion_mask.bool()).any(dim=1).nonzero()
             row = int(bad[0]) if len(bad) else 0
@@ -215,13 +296,22 @@ def _accumulate(
                 field="train.learning_rate",
                 fix="lower train.learning_rate, use train.precision=fp32, or set train.max_grad_norm=1.0",
             )
-        (loss * p.loss.rank_scale(p.rt.policy_size)).backward()
+        total = loss * p.loss.rank_scale(ranks)
+        if p.entropy.enabled:  # the bonus: mean entropy of the trained tokens of the whole step
+            on = mb.completion_mask if trained is None else mb.completion_mask * trained
+            bonus = (entropy * on).sum() / max(gate.trained, 1)
+            total = (
+                total - gate.coef * bonus * ranks
+            )  # DDP averages over ranks: x ranks gives the global mean
+            totals["_trained_entropy"] = totals.get("_trained_entropy", 0.0) + bonus.item()
+        total.backward()
     share = mb.num_tokens / max(global_tokens, 1)
+    row_share = mb.input_ids.shape[0] / (p.job.train.per_device_batch * ranks)
     totals["loss"] += loss.item()
-    for key in _TOKEN_WEIGHTED:
-        totals[key] += stats[key] * share
+    for key, value in stats.items():  # token means weighted by tokens, sequence means by rows (as TRL)
+        totals[key] = totals.get(key, 0.0) + value * (row_share if p.loss.by_rows(key) else share)
     with torch.no_grad():
-        totals["entropy"] += float((entropy.float() * mb.completion_mask).sum()) / max(global_tokens, 1)
+        totals["entropy"] += float((entropy * mb.completion_mask).sum()) / max(global_tokens, 1)
 
 
 def _clip_gradients(p: Parts) -> torch.Tensor:

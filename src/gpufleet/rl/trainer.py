@@ -25,7 +25,8 @@ import yaml
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.monitor.metrics import JsonlWriter, Progress
-from gpufleet.rl import resume, scorer
+from gpufleet.rl import refsync, resume, scorer
+from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build, sharded
@@ -63,6 +64,8 @@ def train(
         part = step % t.steps_per_generation
         rows = scored.batch.rows(part * t.per_device_batch, (part + 1) * t.per_device_batch)
         m = optimizer_step(p, rows, opt, autocast)
+        if refsync.due(job, step + 1):
+            _sync_reference(p)
         m["learning_rate"] = sched.get_last_lr()[0]
         sched.step()
         m.update(_rollout_metrics(rt, scored, p.rewards.labels))
@@ -88,6 +91,16 @@ def train(
         samples_log.close()
     resume.save_final(p, out_dir / "final")
     return last
+
+
+def _sync_reference(p) -> None:
+    """TR-DPO: mix the policy into the colocated reference now, or queue it for the scorer rank (sent with
+    the next request, before it scores anything)."""
+    alpha = p.job.algorithm.ref_model_mixup_alpha
+    if p.reference is not None:
+        refsync.mix_into(p.reference, dict(p.policy.named_parameters()), alpha)
+    elif p.rt.dedicated("reference"):
+        p.pending_ref_mixes.append((alpha, refsync.policy_copy(p.policy)))
 
 
 def _job_yaml(job: Job, out_dir: Path) -> str:
@@ -125,9 +138,10 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         "completions/clipped_ratio": float(truncated.mean()),
     }
     m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/"))}  # an env job's
-    for j, label in enumerate(labels):
+    for j, label in enumerate(labels):  # as TRL: over the completions the function scored (not None)
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
+        m[f"rewards/{label}/std"] = float(nanstd(col)) if col.numel() > 1 else 0.0
     return m
 
 
@@ -139,7 +153,7 @@ def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> Non
             "step": step,
             "prompt": s.prompts[i],
             "completion": s.completions[i],
-            "reward": float(s.rewards[i]),
+            "reward": None if math.isnan(s.rewards[i]) else float(s.rewards[i]),  # None: unscorable
             "advantage": float(s.batch.advantages[i]),
         }
         if s.segments is not None:

@@ -3,13 +3,15 @@
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
 resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
 devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
-lora.py those of a LoRA job; offload.py those of placement.offload.
+lora.py those of a LoRA job; offload.py those of placement.offload; algorithm.py those of the GRPO
+family's options (TRL's warnings).
 Importing this package registers them all, in that order.
 """
 
 # The order rules are registered in is the order check reports them in.
 # isort: off
 from gpufleet.rules import job  # noqa: F401
+from gpufleet.rules import algorithm  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
 from gpufleet.rules import devices  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
