@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import csv
 import json
+import lzma
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet.errors import UserError
+from gpufleet import datapath
+from gpufleet.datapath import DataFileError
 
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 MAX_LINE_BYTES = 1 << 20
 FULL_CHECK_BYTES = 64 << 20
 CHECK_HEAD_ROWS = 10_000
-
-
-class DataFileError(UserError):
-    """A problem with the data file; `why` and `fix` separately for `gpufleet check`'s report."""
-
-    def __init__(self, why: str, fix: str, field: str = "data.path"):
-        self.why = why
-        super().__init__(why, field=field, fix=fix)
 
 
 @dataclass
@@ -57,9 +51,11 @@ class Scan:
 
 
 def check_limit(path: Path) -> int | None:
-    """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES, else the first CHECK_HEAD_ROWS."""
+    """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES (as text), else the first
+    CHECK_HEAD_ROWS."""
     try:
-        return None if path.stat().st_size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
+        size = path.stat().st_size * (8 if datapath.suffixes(path)[1] else 1)  # compressed: ~8x as text
+        return None if size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
     except OSError:
         return None
 
@@ -68,26 +64,24 @@ def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, ke
     """Parse `path` (at most `max_rows` rows), checking every row's prompt; `keep`: hold the rows."""
     p = Path(path).expanduser()
     name = str(path)
-    if p.is_dir():
+    datapath.check_regular(p, name)  # a pipe, a device, a folder, a loop: said before anything is read
+    suffix, compression = datapath.suffixes(p)
+    if suffix not in FORMATS or (compression and suffix == ".parquet"):
+        what = f"{suffix}{compression or ''}" or "no extension"
         raise DataFileError(
-            f"{name} is a folder, not a data file.", "name one .jsonl/.json/.csv/.parquet file"
+            f"{name}: {what} is not a data format gpufleet reads.",
+            "convert it to .jsonl, .json, .parquet or .csv (text formats may be .gz, .bz2 or .xz)",
         )
-    suffix = p.suffix.lower()
-    if suffix not in FORMATS:
-        raise DataFileError(
-            f"{name}: {suffix or 'no extension'} is not a data format gpufleet reads.",
-            "convert it to .jsonl, .json, .parquet or .csv",
-        )
+    if suffix == ".parquet":
+        return _scan_parquet(p, name, prompt_field, max_rows, keep)
     try:
-        if suffix == ".parquet":
-            return _scan_parquet(p, name, prompt_field, max_rows, keep)
-        with p.open("rb") as f:
-            result = _scan_text(f, name, suffix, prompt_field, max_rows, keep)
-    except OSError as e:
+        with datapath.open_binary(p, name) as f:
+            return _scan_text(f, name, suffix, prompt_field, max_rows, keep)
+    except (OSError, EOFError, lzma.LZMAError) as e:
         raise DataFileError(
-            f"{name} cannot be read ({e.strerror or e}).", "check the path and its permissions"
+            f"{name} cannot be read ({getattr(e, 'strerror', None) or e}).",
+            "check the file (a truncated or corrupt compressed file?) and its permissions",
         ) from None
-    return result
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -124,10 +118,13 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
     if chat and s.first_chat is None:
         s.first_chat = f"{name} {where}"
     if not chat:
+        ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
         raise DataFileError(
             f"{name} {where}: {prompt_field!r} is {_kind(value)}; a prompt is a non-empty string "
             "or a list of chat messages ({'role': ..., 'content': '...'}).",
-            "fix that row, or point data.prompt_field at the text column",
+            "store the prompt as text (tokenizer.decode(ids)); gpufleet tokenises it itself"
+            if ids
+            else "fix that row, or point data.prompt_field at the text column",
             field="data.prompt_field",
         )
     return True
@@ -143,6 +140,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, (int, float)):
         return f"a number ({value!r})"
     if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return f"a list of {len(value)} numbers (token ids?)"
         return "an empty list" if not value else "a list that is not chat messages"
     return f"{type(value).__name__ if not isinstance(value, dict) else 'an object'}"
 

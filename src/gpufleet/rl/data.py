@@ -73,7 +73,7 @@ def _load_rows(path: str, prompt_field: str):
     """A local file through `datafile.scan` (every row checked, as `gpufleet check` does), else a hub
     dataset through `datasets` (its rows are checked one by one as they are used, in `_row`)."""
     p = Path(path).expanduser()
-    if p.exists():
+    if p.exists() or p.is_symlink():
         return datafile.scan(p, prompt_field, keep=True)
     import datasets
 
