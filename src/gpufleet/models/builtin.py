@@ -146,6 +146,11 @@ def model_dir(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
     return Path(root if root is not None else default_root()).expanduser() / "models" / folder
 
 
+def is_materialized(name: str, root: str | Path | None = None, seed: int = 0) -> bool:
+    """Whether ``materialize(name, root, seed)`` would find its folder complete (and write nothing)."""
+    return _is_complete(model_dir(name, root, seed), builtin_config(name))
+
+
 def materialize(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
     """Create (once) the Hugging Face folder of built-in model ``name`` and return its path.
 
