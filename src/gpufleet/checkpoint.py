@@ -219,6 +219,13 @@ def _no_partial(tmp: Path, run_dir: Path, rt):
         written = sum(f.stat().st_size for f in tmp.glob("*") if f.is_file()) if tmp.exists() else 0
         if rt.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(
+                f"cannot write the checkpoint {tmp}: {e.strerror} (the disk became read-only or the "
+                "folder's permissions changed while training).",
+                field="output.dir",
+                fix="make output.dir writable again, then run the same command to resume",
+            ) from None
         if not isinstance(e, (OSError, RuntimeError)) or not _disk_full(e):
             raise
         prev = latest(run_dir)
