@@ -105,6 +105,18 @@ DATA_FAULTS = [
     ("plain-named-gzip", lambda h: (h / "d.jsonl.gz").write_text(ROWS), "d.jsonl.gz", ["not gz-compressed"]),
     ("zstd", lambda h: (h / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd"), "d.jsonl.zst", ["zstd"]),
     (
+        "deep-json",
+        lambda h: (h / "d.jsonl").write_text('{"a": ' + "[" * 100_000 + "\n"),
+        "d.jsonl",
+        ["line 1", "nested"],
+    ),
+    (
+        "huge-integer",
+        lambda h: (h / "d.jsonl").write_text('{"prompt": "a", "n": ' + "9" * 5000 + "}\n"),
+        "d.jsonl",
+        ["line 1 is not readable JSON"],
+    ),
+    (
         "token-id-prompts",
         lambda h: (h / "d.jsonl").write_text('{"prompt": [3, 4, 5]}\n'),
         "d.jsonl",
@@ -139,6 +151,29 @@ def test_compressed_data_is_read(home, suffix):
     assert code == 0 and "ok: no problems found" in out, out
     code, out = gpufleet(home, "check", "job.yaml", "--gpus", "cpu", *sets(f"data.path=d.jsonl{suffix}"))
     one_clean_error(code, out, f"d.jsonl{suffix} line 2", "an empty string")  # parsed, row by row
+
+
+def _sparse_config(h):
+    (h / "m").mkdir()
+    with open(h / "m" / "config.json", "wb") as f:
+        f.truncate(10 << 30)  # 10 GiB of holes: reading it would take the memory cap
+
+
+MODEL_FAULTS = [
+    ("dev-zero", None, "/dev/zero", ["model.path"]),
+    ("fifo", lambda h: os.mkfifo(h / "m"), "./m", ["model.path"]),
+    ("huge-config", _sparse_config, "./m", ["config.json is 10240 MiB (at most 64 MiB)"]),
+]
+
+
+@pytest.mark.parametrize("make, path, must", [c[1:] for c in MODEL_FAULTS], ids=[c[0] for c in MODEL_FAULTS])
+def test_a_model_path_that_is_not_a_model_folder(home, make, path, must):
+    if make is not None:
+        make(home)
+    code, out = gpufleet(home, "check", "job.yaml", "--gpus", "cpu", *sets(f"model.path={path}"), timeout=30)
+    assert code == 2 and "Traceback" not in out and "error: model.path" in out, out
+    for text in must:
+        assert text in out, out
 
 
 # ------------------------------------------------------------------------------------ job files

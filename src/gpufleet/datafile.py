@@ -257,6 +257,8 @@ def _json_lines(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: 
                 f"{name} line {number} is not valid JSON ({e.msg} at column {e.colno}).",
                 'fix that line: one JSON object per line, e.g. {"prompt": "..."}',
             ) from None
+        except (RecursionError, ValueError) as e:  # nested too deep, an integer of thousands of digits
+            raise _unreadable_json(f"{name} line {number}", e) from None
 
 
 def _json_array(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: str):
@@ -268,10 +270,17 @@ def _json_array(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: 
             f"{name} is not valid JSON ({e.msg} at line {e.lineno + first[0] - 1} column {e.colno}).",
             "fix the JSON there (a list of objects), or write one object per line as .jsonl",
         ) from None
+    except (RecursionError, ValueError) as e:
+        raise _unreadable_json(name, e) from None
     if not isinstance(data, list):
         raise DataFileError(f"{name} is {_kind(data)}, not a list of records.", "write a list of objects")
     for i, rec in enumerate(data, 1):
         yield f"record {i}", rec
+
+
+def _unreadable_json(where: str, e: Exception) -> DataFileError:
+    why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+    return DataFileError(f"{where} is not readable JSON ({why}).", "fix that record")
 
 
 def _chain(first, rest):

@@ -28,7 +28,8 @@ def not_writable(path: Path) -> str | None:
     """Why this process cannot create or write the folder `path` (None when it can)."""
     base = nearest_existing(path)
     if not base.is_dir():
-        return f"{base} is {'a file' if base.exists() else 'a broken link'}, not a folder"
+        what = "a file" if base.is_file() else "a broken link" if not base.exists() else "not a folder"
+        return f"{base} is {what}" + (", not a folder" if what != "not a folder" else "")
     try:
         if shutil.disk_usage(base).total == 0:  # /proc, /sys: writable bits, but no room for files
             return f"{base} is on a virtual file system (like /proc), not a disk"
@@ -56,7 +57,10 @@ def _user() -> str:
 
 @rule
 def output_writable(ctx: Context):
-    why = not_writable(Path(ctx.job.output.dir))
+    d = Path(ctx.job.output.dir).expanduser()
+    if d.exists() and not d.is_dir():  # resources.output_dir says so
+        return
+    why = not_writable(d)
     if why is not None:
         yield err(
             [ctx.ref("output.dir")],
