@@ -98,7 +98,12 @@ DATA_FAULTS = [
     ("dev-zero", None, "/dev/zero", ["/dev/zero is a device"]),
     ("dev-zero-link", lambda h: os.symlink("/dev/zero", h / "d.jsonl"), "d.jsonl", ["is a device"]),
     ("fifo", _fifo, "d.jsonl", ["d.jsonl is a named pipe (FIFO)"]),
-    ("folder-named-as-file", lambda h: (h / "d.jsonl").mkdir(), "d.jsonl", ["d.jsonl is a folder"]),
+    (
+        "folder-named-as-file",
+        lambda h: (h / "d.jsonl").mkdir(),
+        "d.jsonl",
+        ["d.jsonl is a folder with no data files"],
+    ),
     ("symlink-loop", _loop, "d.jsonl", ["symbolic link loop"]),
     ("dangling-link", lambda h: os.symlink("gone.jsonl", h / "d.jsonl"), "d.jsonl", ["link to gone.jsonl"]),
     ("gzip-named-plain", _gz_named_plain, "d.jsonl", ["gz-compressed", "rename it to d.jsonl.gz"]),
@@ -131,6 +136,22 @@ def test_a_data_path_that_is_not_a_data_file(home, make, path, must):
         make(home)
     code, out = gpufleet(home, "check", "job.yaml", "--gpus", "cpu", *sets(f"data.path={path}"), timeout=30)
     one_clean_error(code, out, "data.path", *must)
+
+
+def test_a_folder_of_data_files(home):
+    from gpufleet import datafile
+
+    (home / "data").mkdir()
+    (home / "data" / "a.jsonl").write_text(ROWS)
+    (home / "data" / "b.csv.gz").write_bytes(gzip.compress(b"prompt,answer\nef,3\n"))
+    (home / "data" / "README.md").write_text("# not data\n")
+    found = datafile.scan(home / "data", "prompt", keep=True)
+    assert [found[i]["prompt"] for i in range(len(found))] == ["ab", "cd", "ef"]
+    code, out = gpufleet(home, "check", "job.yaml", "--gpus", "cpu", *sets("data.path=data"))
+    assert code == 0 and "ok: no problems found" in out, out
+    (home / "data" / "c.jsonl").write_text('{"prompt": ""}\n')
+    code, out = gpufleet(home, "check", "job.yaml", "--gpus", "cpu", *sets("data.path=data"))
+    one_clean_error(code, out, "c.jsonl line 1", "an empty string")
 
 
 def test_an_unreadable_data_file(home):

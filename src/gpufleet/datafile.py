@@ -1,4 +1,5 @@
-"""A local data file (.jsonl / .json / .csv / .parquet): validated and read by ONE parser.
+"""A local data file (.jsonl / .json / .csv / .parquet, text ones also .gz / .bz2 / .xz) or a folder of
+them: validated and read by ONE parser.
 
 `gpufleet check` and the trainer's loader both call `scan`, so they cannot disagree: check parses a
 file up to FULL_CHECK_BYTES completely and, beyond that, its first CHECK_HEAD_ROWS rows; the loader
@@ -54,9 +55,11 @@ def check_limit(path: Path) -> int | None:
     """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES (as text), else the first
     CHECK_HEAD_ROWS."""
     try:
-        size = path.stat().st_size * (8 if datapath.suffixes(path)[1] else 1)  # compressed: ~8x as text
+        files = datapath.folder_files(path, str(path), FORMATS) if path.is_dir() else [path]
+        # compressed: ~8x as much text
+        size = sum(f.stat().st_size * (8 if datapath.suffixes(f)[1] else 1) for f in files)
         return None if size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
-    except OSError:
+    except (OSError, DataFileError):
         return None
 
 
@@ -64,6 +67,8 @@ def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, ke
     """Parse `path` (at most `max_rows` rows), checking every row's prompt; `keep`: hold the rows."""
     p = Path(path).expanduser()
     name = str(path)
+    if p.is_dir():
+        return _scan_folder(p, name, prompt_field, max_rows, keep)
     datapath.check_regular(p, name)  # a pipe, a device, a folder, a loop: said before anything is read
     suffix, compression = datapath.suffixes(p)
     if suffix not in FORMATS or (compression and suffix == ".parquet"):
@@ -82,6 +87,24 @@ def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, ke
             f"{name} cannot be read ({getattr(e, 'strerror', None) or e}).",
             "check the file (a truncated or corrupt compressed file?) and its permissions",
         ) from None
+
+
+def _scan_folder(p: Path, name: str, prompt_field: str, max_rows: int | None, keep: bool) -> Scan:
+    """A folder of data files: each file scanned as above (named in errors), the rows in file order."""
+    total = Scan(columns=[], rows=[] if keep else None)
+    for f in datapath.folder_files(p, name, FORMATS):
+        left = None if max_rows is None else max_rows - total.count
+        if left == 0:
+            total.complete = False
+            break
+        s = scan(f, prompt_field, max_rows=left, keep=keep)
+        total.count += s.count
+        total.complete &= s.complete
+        total.columns += [c for c in s.columns if c not in total.columns]
+        total.first_chat = total.first_chat or s.first_chat
+        if keep:
+            total.rows.extend(s.rows if s.rows is not None else s.table.to_pylist())
+    return total
 
 
 # ------------------------------------------------------------------------------------------ rows

@@ -1,7 +1,7 @@
 """What a local data path really is, found before anything reads it, and how it is opened.
 
-A data file must be a regular file: a FIFO would block `gpufleet check` forever, `/dev/zero` is an endless
-line, a folder or a symlink loop is not a file at all. `open_binary` opens without blocking (O_NONBLOCK,
+A data file must be a regular file (or `data.path` a folder of them, see `folder_files`): a FIFO would
+block `gpufleet check` forever, `/dev/zero` is an endless line, a symlink loop is not a file at all. `open_binary` opens without blocking (O_NONBLOCK,
 then fstat), so a pipe, a device, a folder, a symlink loop, a dangling link or a file without read
 permission is one `DataFileError` that says which of these it is. Compressed text files
 (`.jsonl.gz`, `.csv.bz2`, `.json.xz`, ...) are read through the standard library, line by line.
@@ -126,6 +126,23 @@ def open_binary(path: Path, name: str):
             f"rename it to {path.name[: -len(compression)]} if it is plain text",
         )
     return COMPRESSIONS[compression](raw, "rb")
+
+
+def folder_files(folder: Path, name: str, formats: tuple[str, ...]) -> list[Path]:
+    """The data files of a folder given as `data.path`, in name order: every non-hidden file directly in
+    it whose suffix is a data format (other files, such as a README, and subfolders are skipped)."""
+    try:
+        found = sorted(
+            f for f in folder.iterdir() if not f.name.startswith(".") and suffixes(f)[0] in formats
+        )
+    except OSError as e:
+        raise _open_error(folder, name, e) from None
+    if not found:
+        raise DataFileError(
+            f"{name} is a folder with no data files in it ({', '.join(formats)}, optionally compressed).",
+            "put the data files directly in that folder, or name one file",
+        )
+    return found
 
 
 def check_regular(path: Path, name: str) -> os.stat_result:
