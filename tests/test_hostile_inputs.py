@@ -333,6 +333,30 @@ def test_check_warns_when_the_disk_cannot_hold_the_checkpoints(home):
     assert code == 0 and "warning: output.dir" in out and "MiB free" in out and "need about" in out, out
 
 
+def test_a_disk_that_is_full_before_training_starts(home):
+    disk = home / "full"
+    mount_tmpfs(disk, "size=400k")
+    try:
+        _fill(disk)
+        code, out = gpufleet(home, "train", "job.yaml", "--gpus", "cpu", *sets(f"output.dir={disk / 'run'}"))
+        left = sorted(p.name for p in (disk / "run").iterdir()) if (disk / "run").exists() else []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    problem = one_clean_error(code, out, f"no space left on {disk} writing {disk / 'run'}")
+    assert "MiB free" in problem and "run the same command again" in problem
+    assert left == [], left  # no half-written file stays on the full disk
+
+
+def _fill(disk: Path) -> None:
+    """Write until the file system says it is full."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
 # --------------------------------------------------------------------------------------- training
 
 ODD_ROWS = [
@@ -370,3 +394,25 @@ def test_a_reward_that_never_returns_times_out(home):
     problem = one_clean_error(code, out, "reward function length did not return within 2 s", "reward.timeout")
     assert "on sample 0 (prompt" in problem and "my_rewards.py:5" in problem, problem
     assert not (home / "run" / "final").exists()
+
+
+def test_file_system_faults_become_one_line(tmp_path):
+    import errno
+
+    from gpufleet.fsfaults import fault_error
+
+    ro = fault_error(OSError(errno.EROFS, "Read-only file system", str(tmp_path / "run" / "m.jsonl")))
+    assert ro is not None and "the file system is read-only" in str(ro) and "m.jsonl" in str(ro)
+
+    def write_fails(target: Path):
+        with target.open("w") as f:
+            f.write("{}")
+            raise OSError(errno.ENOSPC, "No space left on device")  # as a flush would: no file name
+
+    try:
+        write_fails(tmp_path / "metrics.jsonl")
+    except OSError as e:
+        full = fault_error(e)
+    assert full is not None and f"writing {tmp_path / 'metrics.jsonl'}" in str(full), full
+    assert fault_error(BrokenPipeError(errno.EPIPE, "Broken pipe")) is None
+    assert fault_error(FileNotFoundError(errno.ENOENT, "No such file", "x")) is None
