@@ -416,3 +416,17 @@ def test_file_system_faults_become_one_line(tmp_path):
     assert full is not None and f"writing {tmp_path / 'metrics.jsonl'}" in str(full), full
     assert fault_error(BrokenPipeError(errno.EPIPE, "Broken pipe")) is None
     assert fault_error(FileNotFoundError(errno.ENOENT, "No such file", "x")) is None
+
+
+@pytest.mark.slow
+def test_a_reward_that_hangs_on_one_rank_stops_every_rank(home):
+    """The watchdog runs in every rank's process: rank 1 hangs, the launcher stops both with its line."""
+    (home / "my_rewards.py").write_text(
+        "import os, time\n\ndef length(prompts, completions, **columns):\n"
+        "    if os.environ.get('RANK') == '1':\n        time.sleep(10**6)\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    args = sets("launch.nproc_per_node=2", "reward.timeout=3")
+    code, out = gpufleet(home, "train", "job.yaml", "--gpus", "cpu", *args, timeout=400)
+    one_clean_error(code, out, "reward function length did not return within 3 s", "my_rewards.py:5")
+    assert not (home / "run" / "final").exists()
