@@ -119,7 +119,7 @@ def open_binary(path: Path, name: str):
                 f"rename it to {path.name}{found} so it is decompressed while read",
             )
         return raw
-    if found != compression:
+    if found != compression and magic:  # an empty file is said to be empty, by the parser
         raw.close()
         raise DataFileError(
             f"{name} is not {compression[1:]}-compressed data, though its name ends in {compression}.",

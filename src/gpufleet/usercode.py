@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpufleet.errors import UserError
-from gpufleet.watchdog import Overdue, deadline, where_stuck
+from gpufleet.watchdog import HEARTBEAT_EVERY, Overdue, deadline, where_stuck
 
 FIELD = "reward.functions"
 CALL = "fn(prompts, completions, **columns)"
@@ -112,7 +112,7 @@ def import_object(
     folders = list(folders) if folders is not None else [os.getcwd()]
     use_roots(folders)
     try:
-        with deadline(f"importing {module_name}", timeout):
+        with deadline(f"importing {module_name}", timeout, first=HEARTBEAT_EVERY):  # imports may be slow
             module = (
                 _from_file(err, Path(module_name))
                 if is_file(module_name)
