@@ -379,7 +379,10 @@ def length(prompts, completions, **columns):
 def test_any_text_trains_and_numpy_and_tensor_rewards_count(home):
     (home / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ODD_ROWS))
     (home / "my_rewards.py").write_text(NUMPY_REWARDS)
-    code, out = gpufleet(home, "train", "job.yaml", "--gpus", "cpu", timeout=300)
+    # one step of 4 prompts x 2: every row above is tokenised and scored
+    code, out = gpufleet(
+        home, "train", "job.yaml", "--gpus", "cpu", *sets("train.per_device_batch=8"), timeout=300
+    )
     assert code == 0 and "Traceback" not in out, out
     metrics = [json.loads(x) for x in (home / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1] and metrics[0]["reward"] > 0, metrics
