@@ -10,11 +10,13 @@ permission is one `DataFileError` that says which of these it is. Compressed tex
 from __future__ import annotations
 
 import bz2
+import contextlib
 import errno
 import gzip
 import lzma
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpufleet.errors import UserError
@@ -99,33 +101,35 @@ def _open_error(path: Path, name: str, e: OSError) -> DataFileError:
     return DataFileError(f"{name} cannot be read ({e.strerror or e}).", "check the path and its permissions")
 
 
-def open_binary(path: Path, name: str):
+@contextlib.contextmanager
+def open_binary(path: Path, name: str) -> Iterator:
     """The file's bytes as a binary file object with a bounded `readline`, decompressed when the name
-    says .gz / .bz2 / .xz. A compressed file named as plain text (or the reverse) is a `DataFileError`."""
+    says .gz / .bz2 / .xz (closed, with the file, when the block ends). A compressed file named as plain
+    text (or the reverse) is a `DataFileError`."""
     fmt, compression = suffixes(path)
     if compression in (".zst", ".zstd"):
         raise DataFileError(
             f"{name}: zstd-compressed files are not read.",
             f"decompress it first (zstd -d {path}), or re-compress it with gzip",
         )
-    raw = open(open_fd(path, name), "rb", closefd=True)
-    magic = raw.peek(6)[:6] if hasattr(raw, "peek") else b""
-    found = next((s for m, s in _MAGIC.items() if magic.startswith(m)), None)
-    if compression is None:
-        if found not in (None, ".bz2"):  # "BZh" may well start a CSV header
-            raw.close()
+    with open(open_fd(path, name), "rb", closefd=True) as raw:
+        magic = raw.peek(6)[:6]
+        found = next((s for m, s in _MAGIC.items() if magic.startswith(m)), None)
+        if compression is None and found not in (None, ".bz2"):  # "BZh" may well start a CSV header
             raise DataFileError(
                 f"{name} is {found[1:]}-compressed, but its name says plain {fmt or 'text'}.",
                 f"rename it to {path.name}{found} so it is decompressed while read",
             )
-        return raw
-    if found != compression and magic:  # an empty file is said to be empty, by the parser
-        raw.close()
-        raise DataFileError(
-            f"{name} is not {compression[1:]}-compressed data, though its name ends in {compression}.",
-            f"rename it to {path.name[: -len(compression)]} if it is plain text",
-        )
-    return COMPRESSIONS[compression](raw, "rb")
+        if compression is None:
+            yield raw
+            return
+        if found != compression and magic:  # an empty file is said to be empty, by the parser
+            raise DataFileError(
+                f"{name} is not {compression[1:]}-compressed data, though its name ends in {compression}.",
+                f"rename it to {path.name[: -len(compression)]} if it is plain text",
+            )
+        with COMPRESSIONS[compression](raw, "rb") as f:
+            yield f
 
 
 def folder_files(folder: Path, name: str, formats: tuple[str, ...]) -> list[Path]:
