@@ -136,7 +136,7 @@ def test_two_processes_at_once(tmp_path):
             (folder / "config.json").write_text(json.dumps(config))
             time.sleep(0.3)  # both processes are now building
             (folder / "model.safetensors").write_text("weights")
-            (folder / "tokenizer.json").write_text("{{}}")
+            (folder / "tokenizer.json").write_text('{{"model": {{"unk_token": "?"}}}}')
 
         bm._build = fake_build
         print(bm.materialize("tiny-qwen2", root={str(tmp_path)!r}))
@@ -147,6 +147,18 @@ def test_two_processes_at_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert set(outs) == {str(tmp_path / "models" / "tiny-qwen2")}
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-qwen2"]
+
+
+def test_a_folder_whose_tokenizer_has_no_unknown_fallback_is_rebuilt(tmp_path):
+    """Issue 18: a cache from before the "?" fallback is rebuilt (the weights come out the same)."""
+    folder = materialize("tiny-qwen2", root=tmp_path)
+    weights = (folder / "model.safetensors").read_bytes()
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["unk_token"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert materialize("tiny-qwen2", root=tmp_path) == folder
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["unk_token"] == "?"
+    assert (folder / "model.safetensors").read_bytes() == weights
 
 
 def test_stale_folder_is_replaced(tmp_path):
@@ -171,8 +183,11 @@ def test_tokenizer_round_trips_text_exactly(root, name):
         CHAR_VOCAB.index("b"),
         1,
     ]
-    with pytest.raises(Exception, match="WordLevel"):  # a character outside the vocabulary is refused
-        tokenizer.encode("caf\u00e9")
+    # Issue 18: a character outside the vocabulary (é, an emoji, NUL) reads as "?", never an error.
+    assert (
+        tokenizer.decode(tokenizer.encode("caf\u00e9 \U0001f389\x00!", add_special_tokens=False))
+        == "caf? ??!"
+    )
     batch = tokenizer(["ab", "abcd"], padding=True, padding_side="left", add_special_tokens=False)
     assert batch["input_ids"][0][:2] == [0, 0] and batch["attention_mask"][0] == [0, 0, 1, 1]
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpufleet.errors import UserError
+from gpufleet.fsfaults import device_of, disk_full
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -208,14 +209,6 @@ def save(
     return final
 
 
-def _disk_full(e: BaseException) -> bool:
-    """ENOSPC, however the writer reports it (torch.save's zip writer says "unexpected pos")."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(e)
-    return "No space left" in text or "unexpected pos" in text or "file write failed" in text
-
-
 @contextlib.contextmanager
 def _no_partial(tmp: Path, run_dir: Path, rt):
     """A failed write leaves no partial checkpoint behind (it would keep a full disk full); a full disk
@@ -226,26 +219,25 @@ def _no_partial(tmp: Path, run_dir: Path, rt):
         written = sum(f.stat().st_size for f in tmp.glob("*") if f.is_file()) if tmp.exists() else 0
         if rt.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, (OSError, RuntimeError)) or not _disk_full(e):
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(
+                f"cannot write the checkpoint {tmp}: {e.strerror} (the disk became read-only or the "
+                "folder's permissions changed while training).",
+                field="output.dir",
+                fix="make output.dir writable again, then run the same command to resume",
+            ) from None
+        if not isinstance(e, (OSError, RuntimeError)) or not disk_full(e):
             raise
         prev = latest(run_dir)
         need = sum(f.stat().st_size for f in prev.iterdir() if f.is_file()) if prev else written
         free = shutil.disk_usage(run_dir).free
         raise UserError(
-            f"no space left on {_device_of(run_dir)} writing {tmp} (a checkpoint needs ~{need / 2**20:.1f} MiB, "
+            f"no space left on {device_of(run_dir)} writing {tmp} (a checkpoint needs ~{need / 2**20:.1f} MiB, "
             f"{free / 2**20:.1f} MiB free); the partial checkpoint was removed"
             + (f" and {prev} is intact." if prev else "."),
             field="output.dir",
             fix="free space there (or lower output.keep_last), then run the same command again to resume",
         ) from None
-
-
-def _device_of(path: Path) -> str:
-    """The mount point holding `path` (what `df` would name)."""
-    p = path.resolve()
-    while not os.path.ismount(p) and p != p.parent:
-        p = p.parent
-    return str(p)
 
 
 def _barrier(rt) -> None:

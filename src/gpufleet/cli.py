@@ -173,6 +173,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except BrokenPipeError:  # `gpufleet config JOB | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a full or read-only disk while writing is the user's to fix; the rest is a bug
+        from gpufleet.fsfaults import fault_error
+
+        user = fault_error(e)
+        if user is None:
+            raise
+        print(f"gpufleet: error: {user}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -> int:

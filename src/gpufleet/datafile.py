@@ -1,4 +1,5 @@
-"""A local data file (.jsonl / .json / .csv / .parquet): validated and read by ONE parser.
+"""A local data file (.jsonl / .json / .csv / .parquet, text ones also .gz / .bz2 / .xz) or a folder of
+them: validated and read by ONE parser.
 
 `gpufleet check` and the trainer's loader both call `scan`, so they cannot disagree: check parses a
 file up to FULL_CHECK_BYTES completely and, beyond that, its first CHECK_HEAD_ROWS rows; the loader
@@ -13,25 +14,19 @@ from __future__ import annotations
 
 import csv
 import json
+import lzma
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet.errors import UserError
+from gpufleet import datapath
+from gpufleet.datapath import DataFileError
 
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 MAX_LINE_BYTES = 1 << 20
 FULL_CHECK_BYTES = 64 << 20
 CHECK_HEAD_ROWS = 10_000
-
-
-class DataFileError(UserError):
-    """A problem with the data file; `why` and `fix` separately for `gpufleet check`'s report."""
-
-    def __init__(self, why: str, fix: str, field: str = "data.path"):
-        self.why = why
-        super().__init__(why, field=field, fix=fix)
 
 
 @dataclass
@@ -57,10 +52,14 @@ class Scan:
 
 
 def check_limit(path: Path) -> int | None:
-    """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES, else the first CHECK_HEAD_ROWS."""
+    """Rows `gpufleet check` parses: all for a file up to FULL_CHECK_BYTES (as text), else the first
+    CHECK_HEAD_ROWS."""
     try:
-        return None if path.stat().st_size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
-    except OSError:
+        files = datapath.folder_files(path, str(path), FORMATS) if path.is_dir() else [path]
+        # compressed: ~8x as much text
+        size = sum(f.stat().st_size * (8 if datapath.suffixes(f)[1] else 1) for f in files)
+        return None if size <= FULL_CHECK_BYTES else CHECK_HEAD_ROWS
+    except (OSError, DataFileError):
         return None
 
 
@@ -69,25 +68,43 @@ def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, ke
     p = Path(path).expanduser()
     name = str(path)
     if p.is_dir():
+        return _scan_folder(p, name, prompt_field, max_rows, keep)
+    datapath.check_regular(p, name)  # a pipe, a device, a folder, a loop: said before anything is read
+    suffix, compression = datapath.suffixes(p)
+    if suffix not in FORMATS or (compression and suffix == ".parquet"):
+        what = f"{suffix}{compression or ''}" or "no extension"
         raise DataFileError(
-            f"{name} is a folder, not a data file.", "name one .jsonl/.json/.csv/.parquet file"
+            f"{name}: {what} is not a data format gpufleet reads.",
+            "convert it to .jsonl, .json, .parquet or .csv (text formats may be .gz, .bz2 or .xz)",
         )
-    suffix = p.suffix.lower()
-    if suffix not in FORMATS:
-        raise DataFileError(
-            f"{name}: {suffix or 'no extension'} is not a data format gpufleet reads.",
-            "convert it to .jsonl, .json, .parquet or .csv",
-        )
+    if suffix == ".parquet":
+        return _scan_parquet(p, name, prompt_field, max_rows, keep)
     try:
-        if suffix == ".parquet":
-            return _scan_parquet(p, name, prompt_field, max_rows, keep)
-        with p.open("rb") as f:
-            result = _scan_text(f, name, suffix, prompt_field, max_rows, keep)
-    except OSError as e:
+        with datapath.open_binary(p, name) as f:
+            return _scan_text(f, name, suffix, prompt_field, max_rows, keep)
+    except (OSError, EOFError, lzma.LZMAError) as e:
         raise DataFileError(
-            f"{name} cannot be read ({e.strerror or e}).", "check the path and its permissions"
+            f"{name} cannot be read ({getattr(e, 'strerror', None) or e}).",
+            "check the file (a truncated or corrupt compressed file?) and its permissions",
         ) from None
-    return result
+
+
+def _scan_folder(p: Path, name: str, prompt_field: str, max_rows: int | None, keep: bool) -> Scan:
+    """A folder of data files: each file scanned as above (named in errors), the rows in file order."""
+    total = Scan(columns=[], rows=[] if keep else None)
+    for f in datapath.folder_files(p, name, FORMATS):
+        left = None if max_rows is None else max_rows - total.count
+        if left == 0:
+            total.complete = False
+            break
+        s = scan(f, prompt_field, max_rows=left, keep=keep)
+        total.count += s.count
+        total.complete &= s.complete
+        total.columns += [c for c in s.columns if c not in total.columns]
+        total.first_chat = total.first_chat or s.first_chat
+        if keep:
+            total.rows.extend(s.rows if s.rows is not None else s.table.to_pylist())
+    return total
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -124,10 +141,13 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
     if chat and s.first_chat is None:
         s.first_chat = f"{name} {where}"
     if not chat:
+        ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
         raise DataFileError(
             f"{name} {where}: {prompt_field!r} is {_kind(value)}; a prompt is a non-empty string "
             "or a list of chat messages ({'role': ..., 'content': '...'}).",
-            "fix that row, or point data.prompt_field at the text column",
+            "store the prompt as text (tokenizer.decode(ids)); gpufleet tokenises it itself"
+            if ids
+            else "fix that row, or point data.prompt_field at the text column",
             field="data.prompt_field",
         )
     return True
@@ -143,6 +163,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, (int, float)):
         return f"a number ({value!r})"
     if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return f"a list of {len(value)} numbers (token ids?)"
         return "an empty list" if not value else "a list that is not chat messages"
     return f"{type(value).__name__ if not isinstance(value, dict) else 'an object'}"
 
@@ -258,6 +280,8 @@ def _json_lines(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: 
                 f"{name} line {number} is not valid JSON ({e.msg} at column {e.colno}).",
                 'fix that line: one JSON object per line, e.g. {"prompt": "..."}',
             ) from None
+        except (RecursionError, ValueError) as e:  # nested too deep, an integer of thousands of digits
+            raise _unreadable_json(f"{name} line {number}", e) from None
 
 
 def _json_array(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: str):
@@ -269,10 +293,17 @@ def _json_array(first: tuple[int, str], lines: Iterator[tuple[int, str]], name: 
             f"{name} is not valid JSON ({e.msg} at line {e.lineno + first[0] - 1} column {e.colno}).",
             "fix the JSON there (a list of objects), or write one object per line as .jsonl",
         ) from None
+    except (RecursionError, ValueError) as e:
+        raise _unreadable_json(name, e) from None
     if not isinstance(data, list):
         raise DataFileError(f"{name} is {_kind(data)}, not a list of records.", "write a list of objects")
     for i, rec in enumerate(data, 1):
         yield f"record {i}", rec
+
+
+def _unreadable_json(where: str, e: Exception) -> DataFileError:
+    why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+    return DataFileError(f"{where} is not readable JSON ({why}).", "fix that record")
 
 
 def _chain(first, rest):

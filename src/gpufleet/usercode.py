@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.watchdog import HEARTBEAT_EVERY, Overdue, deadline, where_stuck
 
 FIELD = "reward.functions"
 CALL = "fn(prompts, completions, **columns)"
@@ -72,12 +73,16 @@ def pythonpath(folders: Iterable[str], env: Mapping[str, str]) -> str:
 
 
 def import_function(
-    name: str, columns: Sequence[str] | None = None, folders: Sequence[str] | None = None
+    name: str,
+    columns: Sequence[str] | None = None,
+    folders: Sequence[str] | None = None,
+    timeout: float | None = None,
 ) -> Callable:
     """The reward function `name` (`module:function` or `file.py:function`) points at; `columns`: the
     dataset columns passed by keyword (when known, the signature is checked against them too);
-    `folders`: where modules are looked for first (default: the working directory)."""
-    fn = import_object(name, folders)
+    `folders`: where modules are looked for first (default: the working directory); `timeout`: seconds
+    the import may take (reward.timeout)."""
+    fn = import_object(name, folders, timeout=timeout)
     _check_signature(name, fn, columns)
     return fn
 
@@ -90,9 +95,11 @@ def import_object(
     what: str = "reward function",
     example: str = "my_rewards:accuracy",
     form: str = "function",
+    timeout: float | None = None,
 ) -> Callable:
     """The callable `name` (`module:Name` or `file.py:Name`) points at; every failure is one
-    `RewardImportError` on `field` that calls the object `what`."""
+    `RewardImportError` on `field` that calls the object `what`; an import running past `timeout`
+    seconds is one too (see gpufleet.watchdog)."""
     err = _errors(name, field, what, form)
     module_name, attr = split(name)
     if not module_name or not attr or not attr.isidentifier():
@@ -104,9 +111,20 @@ def import_object(
         )
     folders = list(folders) if folders is not None else [os.getcwd()]
     use_roots(folders)
-    module = (
-        _from_file(err, Path(module_name)) if is_file(module_name) else _import(err, module_name, folders)
-    )
+    try:
+        with deadline(f"importing {module_name}", timeout, first=HEARTBEAT_EVERY):  # imports may be slow
+            module = (
+                _from_file(err, Path(module_name))
+                if is_file(module_name)
+                else _import(err, module_name, folders)
+            )
+    except Overdue as e:
+        at = where_stuck(e)
+        raise err(
+            f"importing {module_name} did not finish within {timeout:g} s (reward.timeout)"
+            + (f"; it was at {at}" if at else ""),
+            "move slow work out of module level (load lazily on first call), or raise reward.timeout",
+        ) from None
     where = getattr(module, "__file__", None) or module_name
     if not hasattr(module, attr):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -166,12 +184,13 @@ def _from_file(err, path: Path):
     sys.modules[key] = module
     try:
         spec.loader.exec_module(module)
-    except SyntaxError as e:
+    except BaseException as e:
         del sys.modules[key]
-        raise err(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}", "fix the syntax there") from None
-    except Exception as e:
-        del sys.modules[key]
-        raise _import_failed(err, path.stem, e) from None
+        if isinstance(e, SyntaxError):
+            raise err(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}", "fix the syntax there") from None
+        if isinstance(e, (Exception, SystemExit)):
+            raise _import_failed(err, path.stem, e) from None
+        raise
     return module
 
 
@@ -192,7 +211,7 @@ def _import(err, module_name: str, folders: list[str]):
             f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}",
             "fix the syntax there",
         ) from None
-    except Exception as e:  # the user's module raised while importing: report it as theirs, in one line
+    except (Exception, SystemExit) as e:  # the user's module raised while importing: theirs, in one line
         raise _import_failed(err, module_name, e) from None
 
 
@@ -201,6 +220,11 @@ def _import_failed(err, module_name: str, e: BaseException) -> RewardImportError
     top = module_name.split(".")[0]
     mine = [f for f in frames if Path(f.filename).stem == top or f"/{top}/" in f.filename] or frames
     at = f" at {mine[-1].filename}:{mine[-1].lineno}" if mine else ""
+    if isinstance(e, SystemExit):
+        return err(
+            f"importing {module_name} called sys.exit({e.code!r}){at}",
+            "do not exit at import: put that code under `if __name__ == '__main__':`",
+        )
     return err(
         f"importing {module_name} raised {type(e).__name__}: {e}{at}",
         "fix the module so that `import "

@@ -119,7 +119,7 @@ def _parse_yaml(path: Path, text: str):
         if "'\\t'" in reason or "\t" in reason:
             raise UserError(
                 f"{where}: a tab in the indentation; YAML indents with spaces.",
-                fix="replace the tab with spaces",
+                fix="use spaces: replace the tab with spaces",
             ) from None
         raise UserError(f"{where}: not valid YAML ({reason}).", fix="fix the YAML syntax there.") from None
     except (ValueError, TypeError, RecursionError) as e:

@@ -85,7 +85,7 @@ def load_job(
     return resolved
 
 
-_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".gz", ".bz2", ".xz")
 
 
 def _anchor_paths(resolved: Resolved, base: Path) -> None:

@@ -94,6 +94,11 @@ class RewardSection(Section):
     model: str | None = None
     """Optional reward model (sequence classification with one label): hub id or local folder."""
 
+    timeout: float | None = Field(600.0, gt=0)
+    """Seconds one call of a reward function (and the import of its module) may take before the run
+    stops with a message naming the function and the sample. A "waiting for reward function ..." line
+    is printed while a call takes longer than a few seconds. null: no limit."""
+
 
 class RolloutSection(Section):
     engine: Literal["hf", "vllm"] = "hf"

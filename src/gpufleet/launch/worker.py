@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.fsfaults import fault_error
 
 
 class _Tee:
@@ -103,7 +104,8 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
     except KeyboardInterrupt:  # the launcher was asked to stop: not a failure of this rank
         print(f"rank {rank} stopped: interrupted", file=sys.stderr, flush=True)
         return 130
-    except BaseException as e:
+    except BaseException as caught:
+        e = fault_error(caught) or caught  # a full / read-only disk: the user's problem, in one line
         record = {
             "rank": rank,
             "type": type(e).__name__,

@@ -30,6 +30,9 @@ _CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*
 CHAR_VOCAB: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, *dict.fromkeys(_CHARS))
 """The fixed vocabulary: ``<pad>`` (id 0), ``<eos>`` (id 1), then one token per character."""
 
+UNK_CHAR = "?"
+"""The token a character outside ``CHAR_VOCAB`` is read as (an ordinary, sampled and scored token, unlike pad)."""
+
 assert len(set(CHAR_VOCAB)) == len(CHAR_VOCAB) and CHAR_VOCAB.index(EOS_TOKEN) == EOS_TOKEN_ID
 
 
@@ -143,6 +146,11 @@ def model_dir(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
     return Path(root if root is not None else default_root()).expanduser() / "models" / folder
 
 
+def is_materialized(name: str, root: str | Path | None = None, seed: int = 0) -> bool:
+    """Whether ``materialize(name, root, seed)`` would find its folder complete (and write nothing)."""
+    return _is_complete(model_dir(name, root, seed), builtin_config(name))
+
+
 def materialize(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
     """Create (once) the Hugging Face folder of built-in model ``name`` and return its path.
 
@@ -176,11 +184,11 @@ def _is_complete(folder: Path, config: dict[str, Any]) -> bool:
         on_disk = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (
-        on_disk == config
-        and (folder / "model.safetensors").is_file()
-        and (folder / "tokenizer.json").is_file()
-    )
+    try:  # a folder from a gpufleet whose tokenizer had no unknown-character fallback is rebuilt
+        unk = json.loads((folder / "tokenizer.json").read_text())["model"].get("unk_token")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return on_disk == config and (folder / "model.safetensors").is_file() and unk == UNK_CHAR
 
 
 def _move_aside(folder: Path) -> None:
@@ -226,12 +234,13 @@ def char_tokenizer():
     """The character-level tokenizer over ``CHAR_VOCAB`` as a transformers fast tokenizer.
 
     Every character is one token (spaces and newlines included) and decoding concatenates, so
-    ``decode(encode(text)) == text`` for any text over the vocabulary. A character outside it raises.
+    ``decode(encode(text)) == text`` for any text over the vocabulary. A character outside it (é, an
+    emoji, NUL) becomes ``UNK_CHAR``: any text trains, and the ids and vocabulary size stay as they were.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(CHAR_VOCAB)}, unk_token=None))
+    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(CHAR_VOCAB)}, unk_token=UNK_CHAR))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(

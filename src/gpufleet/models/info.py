@@ -124,10 +124,7 @@ def read_model_info(path: str, env: Mapping[str, str] | None = None) -> ModelInf
     cfg = find_config_json(path, env)
     if cfg is None:
         return None
-    try:
-        raw = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    raw, _ = read_json_file(cfg)  # folder_problems reports what is wrong with it
     return from_config(raw, str(cfg)) if isinstance(raw, dict) else None
 
 
@@ -147,12 +144,28 @@ ROUND_TRIP_PROBES = ("  a", "a  b", " a b", "a\nb", "a\n\nb", "A b", "1+2=3", "x
 """Texts a tokenizer should give back unchanged: rewards see the decoded completion, not the ids."""
 
 
+MAX_JSON_BYTES = 64 << 20
+"""A model folder's JSON files (config, tokenizer) are KB to tens of MB; bigger is not one (and would
+not fit in memory once parsed)."""
+
+
 def read_json_file(file: Path) -> tuple[Any, str | None]:
-    """(data, None), or (None, why) with the line and column of a JSON error."""
+    """(data, None), or (None, why) with the line and column of a JSON error (bounded: a file over
+    MAX_JSON_BYTES or one that is not a regular file is not read)."""
     try:
+        size = file.stat().st_size
+        if not file.is_file() or size > MAX_JSON_BYTES:
+            what = (
+                f"{size / 2**20:.0f} MiB (at most {MAX_JSON_BYTES >> 20} MiB)"
+                if file.is_file()
+                else "not a file"
+            )
+            return None, f"{file} is {what}"
         return json.loads(file.read_text(encoding="utf-8")), None
     except json.JSONDecodeError as e:
         return None, f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except (RecursionError, ValueError) as e:  # nesting too deep, an integer too long
+        return None, f"{file} is not readable JSON ({str(e).split(';')[0]})"
     except UnicodeDecodeError:
         return None, f"{file} is not UTF-8 text"
     except OSError as e:

@@ -113,13 +113,49 @@ class Scored:
     """Env jobs: each row's transcript as (text, is the policy's) pieces, for samples.jsonl."""
 
 
-def tokenize_prompts(tokenizer, prompts: list, max_len: int) -> tuple[list[list[int]], list[str]]:
-    """Token ids (left-truncated to max_len) and the prompt text; chat prompts get the chat template."""
-    texts = [
-        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-        if isinstance(p, list)
-        else p
-        for p in prompts
-    ]
-    ids = [tokenizer.encode(t, add_special_tokens=False)[-max_len:] for t in texts]
+CHARS_PER_TOKEN = 32
+"""Characters kept per prompt token before tokenising: a long prompt is cut (from the left, as its ids
+are) to max(4096, 32 x max_prompt_length) characters first, so a 10 MB line costs what a short one does."""
+
+
+def encode_prompt(tokenizer, text: str, max_len: int, name: str) -> list[int]:
+    """The last `max_len` token ids of `text`, tokenising only its last characters (`CHARS_PER_TOKEN`);
+    a tokenizer that cannot encode it is a UserError naming the prompt (`name`)."""
+    from gpufleet.errors import UserError
+
+    keep = max(4096, CHARS_PER_TOKEN * max_len)
+    try:
+        return tokenizer.encode(text[-keep:], add_special_tokens=False)[-max_len:]
+    except Exception as e:  # the tokenizer's own error, whatever its type: name the prompt, not a traceback
+        shown = repr(text[:80]) + ("..." if len(text) > 80 else "")
+        raise UserError(
+            f"the tokenizer cannot encode {name} ({shown}): {type(e).__name__}: {e}",
+            field="model.path",
+            fix="clean that prompt's text, or use a tokenizer that can encode it",
+        ) from None
+
+
+def tokenize_prompts(
+    tokenizer, prompts: list, max_len: int, names: list[str] | None = None
+) -> tuple[list[list[int]], list[str]]:
+    """Token ids (left-truncated to max_len) and the prompt text; chat prompts get the chat template.
+    `names`: how errors name each prompt (e.g. "row 7 of data.jsonl")."""
+    names = names or [f"prompt {i}" for i in range(len(prompts))]
+    texts = [_render(tokenizer, p, name) for p, name in zip(prompts, names, strict=True)]
+    ids = [encode_prompt(tokenizer, t, max_len, name) for t, name in zip(texts, names, strict=True)]
     return ids, texts
+
+
+def _render(tokenizer, prompt, name: str) -> str:
+    if not isinstance(prompt, list):
+        return prompt
+    from gpufleet.errors import UserError
+
+    try:
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the chat template (jinja) refused these messages
+        raise UserError(
+            f"the chat template cannot render {name}: {type(e).__name__}: {e}",
+            field="data.prompt_field",
+            fix="give that row messages the template accepts ({'role': 'user', 'content': '...'})",
+        ) from None

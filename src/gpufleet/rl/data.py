@@ -38,19 +38,28 @@ class PromptSource:
             self.field = cfg.prompt_field
         self._perm: dict[int, list[int]] = {}
 
+    def _index(self, position: int) -> int:
+        """The dataset row at stream `position`."""
+        n = len(self.rows)
+        epoch, offset = divmod(position, n)
+        if not self.cfg.shuffle:
+            return offset
+        if epoch not in self._perm:
+            order = list(range(n))
+            random.Random(f"gpufleet-data:{self.seed}:{epoch}").shuffle(order)
+            self._perm = {epoch: order}  # only the current epoch is kept
+        return self._perm[epoch][offset]
+
+    def describe(self, position: int) -> str:
+        """The prompt at stream `position` in words, for errors: "row 7 of data.jsonl"."""
+        if self.task is not None:
+            return f"example {position} of {self.cfg.path}"
+        return f"row {self._index(position) + 1} of {self.cfg.path}"
+
     def _row(self, position: int) -> dict[str, Any]:
         if self.task is not None:
             return self.task.make_example(position, self.seed)
-        n = len(self.rows)
-        epoch, offset = divmod(position, n)
-        if self.cfg.shuffle:
-            if epoch not in self._perm:
-                order = list(range(n))
-                random.Random(f"gpufleet-data:{self.seed}:{epoch}").shuffle(order)
-                self._perm = {epoch: order}  # only the current epoch is kept
-            index = self._perm[epoch][offset]
-        else:
-            index = offset
+        index = self._index(position)
         row = dict(self.rows[index])
         prompt = row.get(self.field)
         if not isinstance(prompt, (str, list)) or not prompt:
@@ -73,7 +82,7 @@ def _load_rows(path: str, prompt_field: str):
     """A local file through `datafile.scan` (every row checked, as `gpufleet check` does), else a hub
     dataset through `datasets` (its rows are checked one by one as they are used, in `_row`)."""
     p = Path(path).expanduser()
-    if p.exists():
+    if p.exists() or p.is_symlink():
         return datafile.scan(p, prompt_field, keep=True)
     import datasets
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpufleet.env.connect import env_errors
+from gpufleet.rl.batch import encode_prompt
 from gpufleet.rl.parts import sample
 from gpufleet.rl.rollout import Rollout, left_pad
 
@@ -103,9 +104,8 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
     prompts = []
     for e, (obs, info) in zip(eps, first, strict=True):
         text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
-        e.prompt = tok.encode(text, add_special_tokens=False)[-p.job.rollout.max_prompt_length :] or [
-            tok.eos_token_id
-        ]
+        name = f"the first observation of episode {e.id}"
+        e.prompt = encode_prompt(tok, text, p.job.rollout.max_prompt_length, name) or [tok.eos_token_id]
         prompts.append(text)
     budget = cfg.episode_tokens()
     for turn in range(cfg.max_turns):

@@ -8,6 +8,7 @@ becomes NaN, which the weighted sum ignores (`advantages.combine_rewards`).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,10 @@ import torch
 from gpufleet.config.schema import RewardSection
 from gpufleet.errors import UserError
 from gpufleet.usercode import import_function
+from gpufleet.watchdog import Overdue, deadline, innermost_locals, where_stuck
 
 
-def resolve_function(name: str) -> Callable:
+def resolve_function(name: str, timeout: float | None = None) -> Callable:
     """A built-in reward name (`task/fn`) or a `module:function` import path."""
     from gpufleet import tasks
 
@@ -29,7 +31,7 @@ def resolve_function(name: str) -> Callable:
             raise UserError(
                 str(e), field="reward.functions", fix="use module:function or a built-in name"
             ) from None
-    return import_function(name)
+    return import_function(name, timeout=timeout)
 
 
 class RewardModel:
@@ -78,7 +80,7 @@ class Rewards:
         env_weight: float | None = None,
     ):
         names = list(cfg.functions) or ([] if env_weight is not None else list(default_names))
-        self.fns: list[Callable | None] = [resolve_function(n) for n in names]
+        self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
             # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
@@ -98,6 +100,7 @@ class Rewards:
                 fix=f"give {len(self.fns)} weights",
             )
         self.env = env_weight is not None
+        self.timeout = cfg.timeout
         self.weights = torch.tensor(([env_weight] if self.env else []) + list(weights), dtype=torch.float32)
         self.labels = (["env"] if self.env else []) + self.names
 
@@ -117,21 +120,33 @@ class Rewards:
         if self.env:
             out[:, 0] = env_rewards
         for j, (fn, label) in enumerate(zip(self.fns, self.names, strict=True), start=int(self.env)):
-            values = model_scores if fn is None else _call_checked(fn, label, prompts, completions, cols)
+            values = (
+                model_scores
+                if fn is None
+                else _call_checked(fn, label, prompts, completions, cols, self.timeout)
+            )
             out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out
 
 
-def _call_checked(fn, label: str, prompts, completions, cols) -> list[float]:
-    """Call one reward function; any failure names the function and the first offending sample."""
+def _call_checked(fn, label: str, prompts, completions, cols, timeout: float | None = None) -> list[float]:
+    """Call one reward function (under `timeout`, see gpufleet.watchdog); any failure names the
+    function and the first offending sample."""
     n = len(completions)
     try:
-        values = fn(prompts, completions, **cols)
+        with deadline(f"reward function {label} ({n} samples)", timeout):
+            values = fn(prompts, completions, **cols)
+    except Overdue as e:
+        raise _overdue(label, timeout, e, prompts, completions) from None
+    except SystemExit as e:
+        raise UserError(
+            f"reward function {label} called sys.exit({e.code!r}).",
+            field="reward.functions",
+            fix="return a float or None per completion instead of exiting",
+        ) from None
     except Exception as e:  # user code: find the first sample it fails on, then report it in one line
-        i = _first_failing(fn, prompts, completions, cols)
-        where = (
-            f" on sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})" if i is not None else ""
-        )
+        i = _first_failing(fn, prompts, completions, cols, timeout)
+        where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
         raise UserError(
             f"reward function {label} raised {type(e).__name__}: {e}{where}.",
             field="reward.functions",
@@ -152,24 +167,73 @@ def _call_checked(fn, label: str, prompts, completions, cols) -> list[float]:
         )
     result = []
     for i, v in enumerate(values):
-        if v is None:
-            result.append(math.nan)
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        x = _real(v)
+        if x is None:
             raise UserError(
-                f"reward function {label} returned {v!r} for sample {i} (prompt {prompts[i]!r}, "
-                f"completion {completions[i]!r}).",
+                f"reward function {label} returned {v!r} for {_sample(i, prompts, completions)}.",
                 field="reward.functions",
                 fix="return a finite float, or None when the reward does not apply",
             )
-        result.append(float(v))
+        result.append(x)
     return result
 
 
-def _first_failing(fn, prompts, completions, cols) -> int | None:
-    for i in range(len(completions)):
-        try:
-            fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in cols.items()})
-        except Exception:  # we are looking for the failing sample; the error itself was already caught
-            return i
+def _real(v) -> float | None:
+    """A reward value as a float (None -> NaN): any real number type, as TRL takes them (Python and
+    numpy numbers, 0-d tensors and arrays); None for what is not a finite real number."""
+    if v is None:
+        return math.nan
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # np.float32(0.5), torch.tensor(0.5)
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    x = float(v)
+    return x if math.isfinite(x) else None
+
+
+def _sample(i: int, prompts, completions) -> str:
+    return f"sample {i} (prompt {_clip(prompts[i])}, completion {_clip(completions[i])})"
+
+
+def _clip(text, limit: int = 120) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 5] + "...'"
+
+
+def _overdue(label: str, timeout, e: Overdue, prompts, completions) -> UserError:
+    """The timeout error: the sample the function was at (a local variable holding that very
+    completion string) and the line of the user's code it was on."""
+    ids = {id(c): i for i, c in enumerate(completions)}
+    at_sample = next(
+        (ids[id(v)] for frame in innermost_locals(e) for v in frame.values() if id(v) in ids),
+        None,
+    )
+    if at_sample is not None:
+        what = _sample(at_sample, prompts, completions)
+    else:
+        what = f"a batch of {len(completions)} samples (the first: {_sample(0, prompts, completions)})"
+    at = where_stuck(e)
+    return UserError(
+        f"reward function {label} did not return within {timeout:g} s (reward.timeout) on {what}"
+        + (f"; it was at {at}." if at else "."),
+        field="reward.functions",
+        fix=f"make it faster (or return None where it cannot decide), or raise the limit: "
+        f"--set reward.timeout={max(2 * timeout, 60):g}",
+    )
+
+
+def _first_failing(fn, prompts, completions, cols, timeout: float | None) -> int | None:
+    try:
+        with deadline("reward function (looking for the sample it fails on)", timeout):
+            for i in range(len(completions)):
+                try:
+                    fn(
+                        prompts[i : i + 1],
+                        completions[i : i + 1],
+                        **{k: v[i : i + 1] for k, v in cols.items()},
+                    )
+                except Exception:  # looking for the failing sample; the error itself was already caught
+                    return i
+    except (Overdue, SystemExit):  # the first error is the one to report
+        return None
     return None

@@ -119,7 +119,10 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
     examples = {pos: p.source.examples(pos, 1)[0] for pos in positions}
     field = p.source.field
     ids, texts = tokenize_prompts(
-        p.tokenizer, [examples[pos][field] for pos in positions], p.job.rollout.max_prompt_length
+        p.tokenizer,
+        [examples[pos][field] for pos in positions],
+        p.job.rollout.max_prompt_length,
+        [p.source.describe(pos) for pos in positions],
     )
     ids_by_pos = dict(zip(positions, ids, strict=True))
     text_by_pos = dict(zip(positions, texts, strict=True))

@@ -1,7 +1,8 @@
 """Every rule a job must satisfy, checked before anything loads: `run_checks(resolved, hardware)`.
 
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
-resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
+resources.py those about paths, files and the user's code; storage.py those about where the run
+writes (writable folders, disk space); fit.py the memory rule (gpufleet.plan);
 devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
 lora.py those of a LoRA job; offload.py those of placement.offload; algorithm.py those of the GRPO
 family's options (TRL's warnings).
@@ -15,6 +16,7 @@ from gpufleet.rules import algorithm  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
 from gpufleet.rules import devices  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
+from gpufleet.rules import storage  # noqa: F401
 from gpufleet.rules import env  # noqa: F401
 from gpufleet.rules import lora  # noqa: F401
 from gpufleet.rules import offload  # noqa: F401

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufleet import datafile, usercode
+from gpufleet import datafile, datapath, usercode
 from gpufleet.errors import UserError
 from gpufleet.models import info as modelinfo
 from gpufleet.models.info import looks_like_hub_id
@@ -78,7 +78,7 @@ def rewards_resolvable(ctx: Context):
     for name in names:
         if ":" in name:
             try:
-                usercode.import_function(name, columns, usercode.roots(ctx.r.job_path))
+                usercode.import_function(name, columns, usercode.roots(ctx.r.job_path), rw.timeout)
             except usercode.RewardImportError as e:
                 yield err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name not in known:
@@ -146,8 +146,8 @@ def data_available(ctx: Context):
             )
         return
     p = Path(data.path).expanduser()
-    if not p.exists():
-        if looks_like_hub_id(data.path) and p.suffix.lower() not in DATA_EXTENSIONS:
+    if not p.exists() and not p.is_symlink():  # a dangling link or a loop: `scan` says which
+        if looks_like_hub_id(data.path) and datapath.suffixes(p)[0] not in DATA_EXTENSIONS:
             yield warn(
                 [ctx.ref("data.path")],
                 "a hub dataset id: it is loaded with datasets.load_dataset at train time.",

@@ -158,8 +158,12 @@ def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # Atomic: on a shared file system every node writes this file, and workers read it.
     tmp = job_file.with_name(f".job.yaml.{os.getpid()}")
-    tmp.write_text(render_yaml(r) + "\n", encoding="utf-8")
-    os.replace(tmp, job_file)
+    try:
+        tmp.write_text(render_yaml(r) + "\n", encoding="utf-8")
+        os.replace(tmp, job_file)
+    except OSError:  # a full disk: leave nothing behind (gpufleet.fsfaults words the error)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _header(job: str, jb, topo, hw, out: Path) -> None:
