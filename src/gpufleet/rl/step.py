@@ -70,15 +70,17 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens)
-    per_function = p.rewards(
-        prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
-    )
+    with rt.clock.phase("score"):
+        remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens)
+        per_function = p.rewards(
+            prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
+        )
     per_function_all = _gather_rows_in_order(p, per_function)
     rewards_all = combine_rewards(per_function_all, p.rewards.weights)
     advantages, stats = group_advantages(rewards_all, G, scale=job.algorithm.scale_rewards)
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
-    _add_logprobs(p, batch, remote, autocast)
+    with rt.clock.phase("score"):
+        _add_logprobs(p, batch, remote, autocast)
     if episodes is not None:
         stats |= episode_stats(rt, episodes)
     return Scored(
@@ -169,11 +171,13 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     totals = dict.fromkeys(("loss", *_TOKEN_WEIGHTED, "entropy"), 0.0)
     opt.zero_grad(set_to_none=True)
     micro_batches = batch.split(t.micro_batch or t.per_device_batch)
-    for k, mb in enumerate(micro_batches):
-        sync = k == len(micro_batches) - 1
-        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
-    grad_norm = _clip_gradients(p)
-    opt.step()
+    with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
+        for k, mb in enumerate(micro_batches):
+            sync = k == len(micro_batches) - 1
+            _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast)
+    with rt.clock.phase("optimizer"):
+        grad_norm = _clip_gradients(p)
+        opt.step()
     # Metrics: token-weighted shares were taken of the global count, so a sum over ranks is the mean.
     for key in (*_TOKEN_WEIGHTED, "entropy"):
         totals[key] = float(all_reduce_sum(rt, totals[key]))
