@@ -49,7 +49,9 @@ def test_report_of_one_run(run):
     for section in ("Summary", "Curves", "Where the step&#x27;s time goes", "Devices over time"):
         assert f">{section}</h2>" in page, section
     assert "Plan vs measured peak memory" in page and "<td>policy rank 0</td>" in page
-    assert "Resolved job: quick" in page and "max_steps: 4  # flag --set train.max_steps=4" in page  # the value's source
+    assert (
+        "Resolved job: quick" in page and "max_steps: 4  # flag --set train.max_steps=4" in page
+    )  # the value's source
     assert len(re.findall(r'<img src="data:image/png;base64,', page)) == 3  # self-contained
     assert "http://" not in page and "https://" not in page and "<script" not in page
 
