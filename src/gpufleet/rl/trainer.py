@@ -24,9 +24,9 @@ import yaml
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
-from gpufleet.monitor.advisor import Advisor
 from gpufleet.monitor.memory import planned_bytes
 from gpufleet.monitor.metrics import JsonlWriter, Progress
+from gpufleet.monitor.steplog import StepLog
 from gpufleet.monitor.stepstats import step_stats
 from gpufleet.rl import resume, scorer
 from gpufleet.rl.batch import Scored, reuse_count
@@ -51,9 +51,8 @@ def train(
     if resume_from is not None:
         start, scored = resume.restore(p, opt, sched, resume_from, out_dir)
     job_yaml = _job_yaml(job, out_dir)
-    metrics_log = JsonlWriter(out_dir / "metrics.jsonl") if rt.is_main else None
+    metrics_log = StepLog(job, out_dir, rt.device.type == "cuda", log) if rt.is_main else None
     samples_log = JsonlWriter(out_dir / "samples.jsonl") if rt.is_main else None
-    advisor = Advisor(out_dir, t.per_device_batch, rt.device.type == "cuda", log) if rt.is_main else None
     progress = Progress(t.max_steps, start)
     last: dict[str, float] = {}
     planned = planned_bytes(out_dir, rt.local_rank)
@@ -83,8 +82,7 @@ def train(
         m["tokens_per_s"] = tokens / reuse / m["step_time"]
         m["step"] = step + 1
         if rt.is_main:
-            metrics_log.write(m)
-            advisor.observe(m)
+            metrics_log.write(m)  # metrics.jsonl, TensorBoard / W&B, warnings (monitor/steplog.py)
             if t.samples_every and (step + 1) % t.samples_every == 0 and step % reuse == 0:
                 _write_samples(samples_log, step + 1, scored)
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:

@@ -3,7 +3,7 @@
 registry.py holds `Context`, `@rule` and `run_checks`; job.py the rules about the job's numbers;
 resources.py those about paths, files and the user's code; fit.py the memory rule (gpufleet.plan);
 devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
-lora.py those of a LoRA job.
+lora.py those of a LoRA job; monitor.py those of the monitor section.
 Importing this package registers them all, in that order.
 """
 
@@ -15,6 +15,7 @@ from gpufleet.rules import devices  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401
 from gpufleet.rules import env  # noqa: F401
 from gpufleet.rules import lora  # noqa: F401
+from gpufleet.rules import monitor  # noqa: F401
 
 # isort: on
 from gpufleet.rules.registry import Context, run_checks
