@@ -50,9 +50,13 @@ class RankProcesses:
         if p.pid not in self.known:
             try:
                 raw = p.environ().get("RANK")
+                young = time.time() - p.create_time() < 10  # maybe between fork and exec: ask again
             except (psutil.Error, OSError):
-                raw = None
-            self.known[p.pid] = (p, int(raw) if raw and raw.isdigit() else None)
+                raw, young = None, False
+            rank = int(raw) if raw and raw.isdigit() else None
+            if rank is None and young:
+                return None
+            self.known[p.pid] = (p, rank)
         return self.known[p.pid][1]
 
     def by_rank(self) -> dict[int, list[psutil.Process]]:

@@ -47,13 +47,20 @@ class Sinks:
                 import wandb
             except ImportError:
                 _need("wandb")
-            self.wandb = wandb.init(
-                project=cfg.wandb_project,
-                name=out.name,
-                dir=str(out),
-                mode=cfg.wandb_mode,
-                config=job.model_dump(mode="json"),
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project,
+                    name=out.name,
+                    dir=str(out),
+                    mode=cfg.wandb_mode,
+                    config=job.model_dump(mode="json"),
+                )
+            except (wandb.errors.UsageError, wandb.errors.AuthenticationError, wandb.errors.CommError) as e:
+                raise UserError(
+                    f"W&B refused the run ({str(e).splitlines()[0] if str(e) else type(e).__name__}).",
+                    field="monitor.wandb_mode",
+                    fix="`wandb login` (or set WANDB_API_KEY), or --set monitor.wandb_mode=offline",
+                ) from None
 
     def write(self, m: dict[str, float]) -> None:
         step = int(m["step"])

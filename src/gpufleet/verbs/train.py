@@ -229,6 +229,7 @@ def _results(out: Path, jb) -> None:
         print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
     print(f"  metrics: {out / 'metrics.jsonl'}")
     print(f"  samples: {out / 'samples.jsonl'}")
+    print(f"  report:  gpufleet report {out}  (live: gpufleet watch {out})")
 
 
 def _interrupted(out: Path, jb) -> str:
