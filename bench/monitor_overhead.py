@@ -9,6 +9,9 @@
 2. The phase clock (always on; it cannot be switched off): the phases entered in real steps (the
    trainer run in-process with a counting clock) times the measured cost of entering and leaving one
    phase, as a share of the step time.
+3. The sampler's own work: the CPU time of one sample (psutil over this process's tree, no NVML on a
+   CPU-only machine), i.e. its share of one core at one sample a second; on a loaded machine this is
+   steadier than the side-by-side ratio of 1.
 
 Goal (issue 11): both under 2% of the step.
 """
@@ -83,6 +86,18 @@ def clock(steps: int, tmp: Path) -> None:
     print(f"                   of a {last['step_time'] * 1000:.1f} ms step: {share * 100:.4f}% (goal < 2%)")
 
 
+def sample_cost(n: int = 200) -> None:
+    from gpufleet.monitor.devices import DeviceSampler
+
+    s = DeviceSampler(Path("/dev/null"), 1.0, {0: ("policy", None)}, in_process=True, nvml=False)
+    s.sample()
+    t0 = time.process_time()
+    for _ in range(n):
+        s.sample()
+    cost = (time.process_time() - t0) / n
+    print(f"one device sample: {cost * 1000:.2f} ms CPU = {cost * 100:.2f}% of one core at 1 sample/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -91,6 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpufleet-monitor-bench-") as tmp:
         sampler(args.steps, args.pairs, Path(tmp))
         clock(min(args.steps, 5), Path(tmp))
+    sample_cost()
 
 
 if __name__ == "__main__":
