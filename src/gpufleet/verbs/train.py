@@ -21,6 +21,9 @@ from gpufleet.text import plural
 from gpufleet.usercode import pythonpath, roots, use_roots
 from gpufleet.verbs.config import render_yaml
 
+RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "devices.jsonl", "warnings.jsonl")
+"""What a restart without a checkpoint keeps aside as NAME.previous."""
+
 
 def train_command(
     job: str,
@@ -173,7 +176,7 @@ def _prepare_run_dir(r, out: Path, job_file: Path, hw, env: Mapping[str, str]) -
     from gpufleet.monitor.memory import write_plan
 
     if r.job.launch.node_rank == 0 and checkpoint.latest(out) is None and holds_run(out):
-        for name in ("metrics.jsonl", "samples.jsonl"):  # a run that never reached a checkpoint
+        for name in RUN_LOGS:  # a run that never reached a checkpoint
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
     out.mkdir(parents=True, exist_ok=True)
