@@ -11,7 +11,7 @@ STAMP := $(VENV)/.gpufleet-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP_FLAGS := --disable-pip-version-check --progress-bar off $(FIND_LINKS) -c constraints.txt
 
-.PHONY: demo test test-slow test-all venv lint bench clean
+.PHONY: demo test test-slow test-all venv lint bench clean browser
 
 venv: $(STAMP)
 
@@ -25,13 +25,18 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/gpufleet train examples/quickstart.yaml --set output.dir=runs/demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) browser
 	$(PY) -m pytest -q -p no:cacheprovider -m slow tests
 
 test-all: test test-slow
+
+# The report's test opens it in a real headless Chromium: installed here when missing and root.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } \
+		|| echo "chromium is missing (and this is not root): tests/test_monitor_report.py's browser test is skipped"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

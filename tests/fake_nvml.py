@@ -10,6 +10,10 @@ a GPU machine through the same seam (`gpufleet.hardware.detect(env, nvml=...)`):
     nvmlDeviceGetTopologyCommonAncestor(h1, h2) -> NVML_TOPOLOGY_* (INTERNAL 0 ... SYSTEM 50)
     nvmlDeviceGetName(h)                        -> str (bytes in nvidia-ml-py < 11.515)
     nvmlDeviceGetCudaComputeCapability(h)       -> (major, minor)
+    nvmlDeviceGetUtilizationRates(h)            -> object with .gpu .memory (percent over the last sample
+                                                   period, ints)
+    nvmlDeviceGetPowerUsage(h)                  -> int milliwatts
+    nvmlDeviceGetTemperature(h, sensor)         -> int degrees C; sensor NVML_TEMPERATURE_GPU (0)
     errors                                      -> NVMLError subclasses, e.g. NVMLError_NotSupported
 
 Like the real module, NVML_P2P_CAPS_INDEX_READ is the tuple (0,) (pynvml.py writes `= 0,`), and passing
@@ -43,6 +47,7 @@ NVML_TOPOLOGY_MULTIPLE = 20
 NVML_TOPOLOGY_HOSTBRIDGE = 30
 NVML_TOPOLOGY_NODE = 40
 NVML_TOPOLOGY_SYSTEM = 50
+NVML_TEMPERATURE_GPU = 0
 
 
 class NVMLError(Exception):
@@ -71,6 +76,9 @@ class Gpu:
     processes: list[tuple[int, int | None]] = field(default_factory=list)
     """(pid, used bytes) of other compute processes on it."""
     driver_reserved: int = 430 * MiB  # what an idle card shows as used (driver, ECC, contexts)
+    util: tuple[int, int] = (0, 0)  # (gpu %, memory %) as nvmlDeviceGetUtilizationRates says
+    power_mw: int = 21000  # an idle card draws about 20 W
+    temp_c: int = 34
 
 
 class FakeNVML:
@@ -127,6 +135,18 @@ class FakeNVML:
             SimpleNamespace(pid=p, usedGpuMemory=b, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
             for p, b in g.processes
         ]
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        g = self._ask("util", h)
+        return SimpleNamespace(gpu=g.util[0], memory=g.util[1])  # a c_nvmlUtilization_t in the real module
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return self._ask("power", h).power_mw
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        if sensor != NVML_TEMPERATURE_GPU:
+            raise NVMLError_NotSupported()
+        return self._ask("temp", h).temp_c
 
     def _pair(self, table, default, h1, h2):
         key = (min(h1.index, h2.index), max(h1.index, h2.index))

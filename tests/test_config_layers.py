@@ -125,6 +125,7 @@ def test_every_field_documented():
         "launch",
         "output",
         "script",
+        "monitor",
     }
 
 

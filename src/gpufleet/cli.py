@@ -6,6 +6,8 @@
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N] [--merge]  a checkpoint as a Hugging Face model folder
     gpufleet launch [JOB] [--nproc N] [--set ...] [--dry-run] [--scaling 1,2] -- CMD ...   anyone's script on N processes
+    gpufleet watch RUN_DIR [--once]                        live view of a running (or finished) run
+    gpufleet report RUN_DIR [RUN_DIR ...] [--out DIR]      one HTML page (+ PNGs) about one run or several
 
 User errors print one clear line and exit 2; `check`/`config` import no torch.
 """
@@ -33,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     _info_verbs(sub)
     _run_verbs(sub)
+    _monitor_verbs(sub)
     return p
 
 
@@ -143,6 +146,25 @@ def _run_verbs(sub) -> None:
     )
 
 
+def _monitor_verbs(sub) -> None:
+    """The verbs that look at a run: watch, report."""
+    w = sub.add_parser(
+        "watch",
+        help="a live terminal view of a run: step / ETA, curves, devices, per-rank timings, warnings",
+        description="a live terminal view of a run: step / ETA, curves, devices, per-rank timings, warnings",
+    )
+    w.add_argument("run_dir", help="a run directory (output.dir), running or finished")
+    w.add_argument("--once", action="store_true", help="print the view once and exit (for scripts)")
+    w.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes")
+    r = sub.add_parser(
+        "report",
+        help="one self-contained HTML page (+ PNGs) about a run, or several runs overlaid",
+        description="one self-contained HTML page (+ PNGs) about a run, or several runs overlaid",
+    )
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (output.dir)")
+    r.add_argument("--out", default=None, metavar="DIR", help="where to write (default: RUN_DIR/report)")
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     """Entry point. Returns the exit code (0 ok, 2 user error)."""
     env = os.environ if env is None else env
@@ -215,6 +237,15 @@ def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -
             scaling=args.scaling,
             scaling_seconds=args.scaling_seconds,
         )
+    if args.verb == "report":
+        from gpufleet.monitor.report import write_report
+
+        print(f"report: {write_report(args.run_dirs, args.out)}")
+        return 0
+    if args.verb == "watch":
+        from gpufleet.monitor.watch import watch
+
+        return watch(args.run_dir, once=args.once, interval=args.interval)
     if args.verb == "train" and args.worker:
         from gpufleet.launch.worker import run_worker
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gpufleet.monitor.timing import PhaseClock
 from gpufleet.topology import Topology
 
 
@@ -38,6 +39,8 @@ class Runtime:
     policy_group: object | None = None
     scorers: list[tuple[int, tuple[str, ...], object]] = field(default_factory=list)
     """(scorer rank, its roles, the group {policy ranks + that scorer}) for every dedicated scorer."""
+    clock: PhaseClock = field(default_factory=PhaseClock)
+    """Where this process's time goes (monitor/timing.py); the collectives below charge it to `comm`."""
 
     @property
     def distributed(self) -> bool:
@@ -140,7 +143,9 @@ def all_reduce_sum(rt: Runtime, value: torch.Tensor | float) -> torch.Tensor:
     )
     if rt.distributed and rt.policy_size > 1:
         t = t.to(rt.device) if rt.device.type == "cuda" else t
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
+        with rt.clock.phase("comm"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
+            t = t.cpu()
     return t.cpu()
 
 
@@ -150,8 +155,9 @@ def all_gather_rows(rt: Runtime, local: torch.Tensor) -> list[torch.Tensor]:
         return [local]
     x = local.to(rt.device) if rt.device.type == "cuda" else local.contiguous()
     parts = [torch.empty_like(x) for _ in range(rt.policy_size)]
-    dist.all_gather(parts, x, group=rt.policy_group)
-    return [p.cpu() for p in parts]
+    with rt.clock.phase("comm"):
+        dist.all_gather(parts, x, group=rt.policy_group)
+        return [p.cpu() for p in parts]
 
 
 def all_true(rt: Runtime, flag: bool) -> bool:
@@ -161,5 +167,6 @@ def all_true(rt: Runtime, flag: bool) -> bool:
     t = torch.tensor(
         [0 if flag else 1], dtype=torch.int32, device=rt.device if rt.device.type == "cuda" else "cpu"
     )
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
-    return int(t.item()) == 0
+    with rt.clock.phase("comm"):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=rt.policy_group)
+        return int(t.item()) == 0

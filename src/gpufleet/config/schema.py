@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpufleet.config.algorithm_section import AlgorithmSection
 from gpufleet.config.env_section import EnvSection
+from gpufleet.config.monitor_section import MonitorSection
 from gpufleet.config.types import (  # noqa: F401  (re-exported: other modules import them from here)
     Command,
     DevicesOrAuto,
@@ -315,6 +316,7 @@ class Job(BaseModel):
     launch: LaunchSection = Field(default_factory=LaunchSection)
     output: OutputSection = Field(default_factory=OutputSection)
     script: ScriptSection = Field(default_factory=ScriptSection)
+    monitor: MonitorSection = Field(default_factory=MonitorSection)
 
     def roles_used(self) -> dict[str, bool]:
         """Whether the reference and reward roles have anything to hold (the one place this is decided):

@@ -25,7 +25,6 @@ with its own random stream (`turn_seed`), so nothing depends on which rank or se
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +81,6 @@ class Episodes:
     segments: list[list[tuple[str, bool]]]
     env_rewards: torch.Tensor  # (B,) sum of the environment's rewards
     counts: dict[str, torch.Tensor] = field(default_factory=dict)  # (B,) per-episode counts for metrics
-    env_seconds: float = 0.0
 
 
 def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
@@ -98,9 +96,8 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
         _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
         for j, pos, s in zip(rows, row_pos, sample_seeds, strict=True)
     ]
-    waited = time.perf_counter()
-    first = p.env.reset([(e.id, e.seed) for e in eps])
-    env_seconds = time.perf_counter() - waited
+    with p.rt.clock.phase("env"):
+        first = p.env.reset([(e.id, e.seed) for e in eps])
     prompts = []
     for e, (obs, info) in zip(eps, first, strict=True):
         text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
@@ -113,19 +110,18 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
         if not _anyone(p, bool(live)):
             break
         actions = _act(p, live, turn, budget)
-        waited = time.perf_counter()
-        results = (
-            p.env.step([(e.id, text) for e, (_, text) in zip(live, actions, strict=True)]) if live else []
-        )
-        env_seconds += time.perf_counter() - waited
+        with p.rt.clock.phase("env"):
+            results = (
+                p.env.step([(e.id, text) for e, (_, text) in zip(live, actions, strict=True)]) if live else []
+            )
         for e, (ids, text), result in zip(live, actions, results, strict=True):
             _record(e, ids, text, result, tok, cfg, last_turn=turn == cfg.max_turns - 1, budget=budget)
     for e in eps:  # still running after max_turns (only when every rank stopped early: never here)
         if not e.done:
             e.done = e.truncated = True
-    waited = time.perf_counter()
-    p.env.close([e.id for e in eps])
-    return _assemble(p, eps, prompts, env_seconds + time.perf_counter() - waited)
+    with p.rt.clock.phase("env"):
+        p.env.close([e.id for e in eps])
+    return _assemble(p, eps, prompts)
 
 
 def _anyone(p, mine: bool) -> bool:
@@ -178,7 +174,7 @@ def _record(e: _Episode, ids, text, result, tok, cfg, *, last_turn: bool, budget
     e.segments.append((tok.decode(obs_ids, skip_special_tokens=True), False))
 
 
-def _assemble(p, eps: list[_Episode], prompts: list[str], env_seconds: float) -> Episodes:
+def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
     """Tensors of the episodes: the generation batch's layout (see the module docstring)."""
     tok, device = p.tokenizer, p.device
     prompt_ids, prompt_mask = left_pad([e.prompt for e in eps], tok.pad_token_id, device)
@@ -214,13 +210,13 @@ def _assemble(p, eps: list[_Episode], prompts: list[str], env_seconds: float) ->
         segments=[e.segments for e in eps],
         env_rewards=torch.tensor([e.reward for e in eps], dtype=torch.float32),
         counts=counts,
-        env_seconds=env_seconds,
     )
 
 
 def episode_stats(rt, e: Episodes) -> dict[str, float]:
     """Per generation batch over every rank: env/turns_mean, env/success_rate (episodes whose env said),
-    env/invalid_action_rate (per action), env/observation_cut_rate (per observation), timing/env."""
+    env/invalid_action_rate (per action), env/observation_cut_rate (per observation);
+    `timing/env` is the step clock's (monitor/timing.py)."""
     from gpufleet.dist import all_reduce_sum
 
     c = e.counts
@@ -234,14 +230,12 @@ def episode_stats(rt, e: Episodes) -> dict[str, float]:
             float(said.sum()),
             float(c["cut"].sum()),
             float(c["observed"].sum()),
-            e.env_seconds,
         ]
     )
-    n, turns, invalid, success, said_n, cut, obs, seconds = all_reduce_sum(rt, local).tolist()
+    n, turns, invalid, success, said_n, cut, obs = all_reduce_sum(rt, local).tolist()
     return {
         "env/turns_mean": turns / max(n, 1),
         "env/success_rate": success / said_n if said_n else float("nan"),
         "env/invalid_action_rate": invalid / max(turns, 1),
         "env/observation_cut_rate": cut / max(obs, 1),
-        "timing/env": seconds / max(rt.policy_size, 1),
     }

@@ -73,18 +73,20 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         ref_logprobs=None,
         completion_start=rollout.completion_start,
     )
-    remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes)
-    p.pending_ref_mixes.clear()
-    per_function = p.rewards(
-        prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
-    )
+    with rt.clock.phase("score"):
+        remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes)
+        p.pending_ref_mixes.clear()
+        per_function = p.rewards(
+            prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
+        )
     warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)
     advantages, rewards_all, stats = advantages_of(
         per_function_all, p.rewards.weights, G, job.algorithm.scale_rewards, job.reward.aggregation
     )
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
-    _add_logprobs(p, batch, remote, autocast)
+    with rt.clock.phase("score"):
+        _add_logprobs(p, batch, remote, autocast)
     if episodes is not None:
         stats |= episode_stats(rt, episodes)
     return Scored(
@@ -211,13 +213,15 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
     totals = dict.fromkeys(("loss", "entropy"), 0.0)
     micro_batches = batch.split(t.micro_batch or t.per_device_batch)
-    gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
-    opt.zero_grad(set_to_none=True)
-    for k, mb in enumerate(micro_batches):
-        sync = k == len(micro_batches) - 1
-        _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate)
-    grad_norm = _clip_gradients(p)
-    opt.step()
+    with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
+        gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
+        opt.zero_grad(set_to_none=True)
+        for k, mb in enumerate(micro_batches):
+            sync = k == len(micro_batches) - 1
+            _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate)
+    with rt.clock.phase("optimizer"):
+        grad_norm = _clip_gradients(p)
+        opt.step()
     # Metrics: each micro-batch's share was taken of the global count, so a sum over ranks is the mean.
     for key in sorted(k for k in totals if k != "loss"):  # the same keys, in the same order, on every rank
         totals[key] = float(all_reduce_sum(rt, totals[key]))

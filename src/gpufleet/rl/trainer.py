@@ -24,7 +24,10 @@ import yaml
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
+from gpufleet.monitor.memory import planned_bytes
 from gpufleet.monitor.metrics import JsonlWriter, Progress
+from gpufleet.monitor.steplog import StepLog
+from gpufleet.monitor.stepstats import step_stats
 from gpufleet.rl import refsync, resume, scorer
 from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
@@ -51,16 +54,19 @@ def train(
     if resume_from is not None:
         start, scored = resume.restore(p, opt, sched, resume_from, out_dir)
     job_yaml = _job_yaml(job, out_dir)
-    metrics_log = JsonlWriter(out_dir / "metrics.jsonl") if rt.is_main else None
+    metrics_log = StepLog(job, out_dir, rt.device.type == "cuda", log) if rt.is_main else None
     samples_log = JsonlWriter(out_dir / "samples.jsonl") if rt.is_main else None
     progress = Progress(t.max_steps, start)
     last: dict[str, float] = {}
+    planned = planned_bytes(out_dir, rt.local_rank)
     p.train_model.train()
     for step in range(start, t.max_steps):
         fault_injection(rt, step + 1)
         t0 = time.perf_counter()
+        rt.clock.start_step()
         if step % reuse == 0:
-            scored = generation_step(p, step // reuse, autocast)
+            with rt.clock.phase("generate"):
+                scored = generation_step(p, step // reuse, autocast)
         part = step % t.steps_per_generation
         rows = scored.batch.rows(part * t.per_device_batch, (part + 1) * t.per_device_batch)
         m = optimizer_step(p, rows, opt, autocast)
@@ -69,21 +75,24 @@ def train(
         m["learning_rate"] = sched.get_last_lr()[0]
         sched.step()
         m.update(_rollout_metrics(rt, scored, p.rewards.labels))
-        m["step_time"] = time.perf_counter() - t0
-        if "timing/env" in m and step % reuse == 0:  # the share of this step spent waiting on envs
-            m["timing/env_share"] = m["timing/env"] / m["step_time"]
         tokens = float(all_reduce_sum(rt, float(scored.batch.attention_mask.sum())))
+        if step + 1 == t.max_steps or (o.save_every and (step + 1) % o.save_every == 0):
+            with rt.clock.phase("checkpoint"):
+                resume.save(p, opt, sched, step + 1, scored, out_dir, job_yaml)
+        seconds = rt.clock.end_step()
+        m["step_time"] = time.perf_counter() - t0  # measured apart: the phases must add up to it
+        m |= step_stats(rt, seconds, m["step_time"], planned)
+        if job.env.name:  # the share of this step spent waiting on envs
+            m["timing/env_share"] = m["timing/env"] / m["step_time"]
         m["tokens_per_s"] = tokens / reuse / m["step_time"]
         m["step"] = step + 1
         if rt.is_main:
-            metrics_log.write(m)
+            metrics_log.write(m)  # metrics.jsonl, TensorBoard / W&B, warnings (monitor/steplog.py)
             if t.samples_every and (step + 1) % t.samples_every == 0 and step % reuse == 0:
                 _write_samples(samples_log, step + 1, scored)
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 log(progress.line(step + 1, m))
         last = m
-        if step + 1 == t.max_steps or (o.save_every and (step + 1) % o.save_every == 0):
-            resume.save(p, opt, sched, step + 1, scored, out_dir, job_yaml)
     if rt.scorers:
         scorer.stop(rt)
     if rt.is_main:

@@ -72,7 +72,7 @@ def launch_command(
         return 0
     if scaling:
         return _scaling(jb, cmd, scaling, scaling_seconds, hw, out, env)
-    return _run(jb, argv, per_node, values, out, env, now)
+    return _run(jb, argv, per_node, values, out, env, now, cpu=hw.is_cpu)
 
 
 def _header(argv: list[str], per_node: int, hw: Hardware, r, now: recipe.Recipe) -> None:
@@ -137,13 +137,19 @@ def _run(
     out: Path,
     env: Mapping[str, str],
     now: recipe.Recipe,
+    *,
+    cpu: bool,
 ) -> int:
+    """Run the ranks (beside them the device sampler, monitor.device_interval), then say how it ended."""
     from gpufleet.launch.scriptfail import explain
     from gpufleet.launch.torchrun import Interrupted
+    from gpufleet.monitor.devices import sampling
 
-    logs = out / "logs"
+    logs, node = out / "logs", jb.launch.node_rank
+    labels = {node * per_node + i: ("worker", None if cpu else i) for i in range(per_node)}
     try:
-        code = _start(jb, argv, per_node, values, out, env)
+        with sampling(jb.monitor.device_interval, out, node, labels, cpu=cpu):
+            code = _start(jb, argv, per_node, values, out, env)
     except Interrupted as e:
         print(f"gpufleet: interrupted ({e}); every rank was stopped. Logs: {logs}/", file=sys.stderr)
         return 130

@@ -21,6 +21,9 @@ from gpufleet.text import plural
 from gpufleet.usercode import pythonpath, roots, use_roots
 from gpufleet.verbs.config import render_yaml
 
+RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "devices.jsonl", "warnings.jsonl")
+"""What a restart without a checkpoint keeps aside as NAME.previous."""
+
 
 def train_command(
     job: str,
@@ -61,12 +64,12 @@ def train_command(
     start = _start(out, jb, topo)
     if start is None:  # the run in `out` is finished
         return 0
-    _prepare_run_dir(r, out, job_file)
+    _prepare_run_dir(r, out, job_file, hw, env)
     _header(job, jb, topo, hw, out)
     from gpufleet.launch.torchrun import Interrupted
 
     try:
-        with env_servers(jb, out, topo, hw, roots(r.job_path)):
+        with _beside(jb, out, topo, hw, roots(r.job_path)):
             code = (
                 _in_process(jb, out, hw, topo, start.checkpoint)
                 if topo.world_size == 1
@@ -85,6 +88,26 @@ def train_command(
     if code == 0:
         _results(out, jb)
     return code
+
+
+@contextlib.contextmanager
+def _beside(jb, out: Path, topo, hw, folders: list[str]):
+    """What runs beside the ranks on this node: the env servers and the device sampler."""
+    from gpufleet.monitor.devices import sampling, train_labels
+
+    node, cpu = jb.launch.node_rank, hw.is_cpu
+    with (
+        env_servers(jb, out, topo, hw, folders),
+        sampling(
+            jb.monitor.device_interval,
+            out,
+            node,
+            train_labels(topo, node, cpu),
+            cpu=cpu,
+            in_process=topo.world_size == 1,
+        ),
+    ):
+        yield
 
 
 @contextlib.contextmanager
@@ -147,12 +170,14 @@ def _start(out: Path, jb, topo):
     return start
 
 
-def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
-    """Keep an unfinished run's logs aside (node 0 only: nodes may share the folder), write job.yaml."""
+def _prepare_run_dir(r, out: Path, job_file: Path, hw, env: Mapping[str, str]) -> None:
+    """Keep an unfinished run's logs aside (node 0 only: nodes may share the folder), write job.yaml
+    and plan.json (the memory each rank is predicted to take: monitor/memory.py)."""
     from gpufleet import checkpoint
+    from gpufleet.monitor.memory import write_plan
 
     if r.job.launch.node_rank == 0 and checkpoint.latest(out) is None and holds_run(out):
-        for name in ("metrics.jsonl", "samples.jsonl"):  # a run that never reached a checkpoint
+        for name in RUN_LOGS:  # a run that never reached a checkpoint
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
     out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +189,9 @@ def _prepare_run_dir(r, out: Path, job_file: Path) -> None:
     except OSError:  # a full disk: leave nothing behind (gpufleet.fsfaults words the error)
         tmp.unlink(missing_ok=True)
         raise
+    said = write_plan(r, hw, env, out)
+    if said:
+        print(said)
 
 
 def _header(job: str, jb, topo, hw, out: Path) -> None:
@@ -209,6 +237,7 @@ def _results(out: Path, jb) -> None:
         print(f"  model:   {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
     print(f"  metrics: {out / 'metrics.jsonl'}")
     print(f"  samples: {out / 'samples.jsonl'}")
+    print(f"  report:  gpufleet report {out}  (live: gpufleet watch {out})")
 
 
 def _interrupted(out: Path, jb) -> str:

@@ -1,0 +1,121 @@
+"""The report's figures (matplotlib, Agg: no display needed), each saved as a PNG; several runs overlaid.
+
+Each function takes the runs (monitor/runfiles.py) and a path, draws, saves, and returns whether it
+drew anything (a run without devices.jsonl has no device figure).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from gpufleet.monitor.runfiles import Run  # noqa: E402
+from gpufleet.monitor.timing import PHASES  # noqa: E402
+
+CURVES = (
+    ("reward", "reward"),
+    ("kl", "KL"),
+    ("completions/mean_length", "completion length"),
+    ("entropy", "entropy"),
+    ("step_time", "step time (s)"),
+    ("tokens_per_s", "tokens / s"),
+)
+GIB = 1024**3
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def curves(runs: list[Run], path: Path) -> bool:
+    """Reward, KL, length, entropy, step time, tokens/s against the step; one line per run."""
+    if not any(r.metrics for r in runs):
+        return False
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        for run in runs:
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, label=run.name, linewidth=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    _save(fig, path)
+    return True
+
+
+def timing_breakdown(runs: list[Run], path: Path) -> bool:
+    """Mean seconds per step in each phase, one stacked bar per run and rank (rank 0 adds up to step_time)."""
+    bars: list[tuple[str, list[float]]] = []
+    for run in runs:
+        many = len(run.ranks) > 1
+        for r in run.ranks:
+            suffix = f"/rank{r}" if many else ""
+            means = []
+            for ph in PHASES:
+                _, v = run.series(f"timing/{ph}{suffix}")
+                means.append(sum(v) / len(v) if v else 0.0)
+            if any(means):
+                bars.append((f"{run.name} rank {r}" if many else run.name, means))
+    if not bars:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(bars) + 1.6))
+    left = [0.0] * len(bars)
+    for i, ph in enumerate(PHASES):
+        widths = [b[1][i] for b in bars]
+        ax.barh([b[0] for b in bars], widths, left=left, label=ph)
+        left = [a + w for a, w in zip(left, widths, strict=True)]
+    ax.set_xlabel("seconds per step (mean)")
+    ax.invert_yaxis()
+    ax.legend(ncol=len(PHASES), fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    _save(fig, path)
+    return True
+
+
+def devices(runs: list[Run], path: Path) -> bool:
+    """Per GPU utilisation and memory over time (per rank CPU% and RSS on a CPU-only run)."""
+    with_samples = [r for r in runs if r.devices]
+    if not with_samples:
+        return False
+    fig, (busy, mem) = plt.subplots(1, 2, figsize=(13, 4))
+    for run in with_samples:
+        t0 = run.devices[0]["t"]
+        tag = f"{run.name} " if len(with_samples) > 1 else ""
+        for label, points in _device_series(run.devices).items():
+            ts = [p[0] - t0 for p in points]
+            busy.plot(ts, [p[1] for p in points], label=tag + label, linewidth=1)
+            mem.plot(ts, [p[2] / GIB for p in points], label=tag + label, linewidth=1)
+    gpu = any(rec.get("gpus") for r in with_samples for rec in r.devices)
+    busy.set_title("GPU utilisation (%)" if gpu else "CPU % per rank (100 = one core)")
+    mem.set_title("GPU memory used (GiB)" if gpu else "resident memory per rank (GiB)")
+    for ax in (busy, mem):
+        ax.set_xlabel("seconds since the first sample")
+        ax.grid(alpha=0.3)
+    busy.legend(fontsize=8)
+    _save(fig, path)
+    return True
+
+
+def _device_series(records: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
+    """label -> [(t, busy %, bytes)] per GPU (with its roles), or per rank on a CPU-only run."""
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for rec in records:
+        roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
+        if rec.get("gpus"):
+            for g in rec["gpus"]:
+                who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
+                label = f"GPU {g['index']}" + (f" ({who})" if who else "")
+                out.setdefault(label, []).append((rec["t"], g.get("util") or 0, g.get("mem_used") or 0))
+        else:
+            for x in rec.get("ranks", []):
+                if x.get("pids"):
+                    label = f"rank {x['rank']} ({x['role']})"
+                    out.setdefault(label, []).append((rec["t"], x["cpu_percent"], x["rss"]))
+    return out

@@ -1,0 +1,104 @@
+"""`gpufleet watch`: the view of a finished run (--once), and the live view of a real training run in a
+real tmux pane (send-keys, capture-pane): it follows the steps, shows devices and ranks, and leaves on
+Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.monitor.watch import bar, sparkline
+from helpers import console_script, process_env, run_user
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sparkline_and_bar_by_hand():
+    assert sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert sparkline([2.0, 2.0]) == "▁▁" and sparkline([]) == ""
+    assert sparkline(list(range(100)), width=5) == "▁▃▅▆█"
+    assert bar(0.5, 10) == "█████░░░░░" and bar(1.7, 4) == "████"
+
+
+def _train_argv(out: Path, steps: int) -> list[str]:
+    argv = [console_script(), "train", str(ROOT / "examples" / "quickstart.yaml"), "--gpus", "cpu"]
+    for s in (
+        f"train.max_steps={steps}",
+        "train.per_device_batch=8",
+        "monitor.device_interval=0.2",
+        f"output.dir={out}",
+    ):
+        argv += ["--set", s]
+    return argv
+
+
+def test_not_a_run_is_one_line(tmp_path):
+    p = run_user("watch", str(tmp_path / "nothing"), "--once", cwd=tmp_path)
+    assert p.returncode == 2 and "is not a folder" in p.stderr and p.stderr.strip().count("\n") == 0
+
+
+class Tmux:
+    """A tmux server of our own (its own socket), one pane of a fixed size."""
+
+    def __init__(self, name: str):
+        self.base = ["tmux", "-L", name]
+
+    def __call__(self, *args: str) -> str:
+        return subprocess.run([*self.base, *args], capture_output=True, text=True, check=True).stdout
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "w")
+
+    def wait_for(self, pred, timeout: float = 180) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = self.screen()
+            if pred(text):
+                return text
+            time.sleep(0.3)
+        raise AssertionError(f"tmux pane never matched; it shows:\n{self.screen()}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="no tmux on PATH")
+def test_live_view_follows_a_real_run_in_tmux(tmp_path):
+    out = tmp_path / "live"
+    train = subprocess.Popen(
+        _train_argv(out, 8),
+        env=process_env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    tmux = Tmux(f"gpufleet-test-{os.getpid()}")
+    try:
+        while not (out / "metrics.jsonl").exists():  # watch needs a run directory to exist
+            assert train.poll() is None, train.stderr.read()
+            time.sleep(0.2)
+        cmd = f"{shlex.quote(console_script())} watch {shlex.quote(str(out))} --interval 0.3"
+        tmux("new-session", "-d", "-s", "w", "-x", "110", "-y", "40", "-e", "COLUMNS=110", cmd)
+        tmux("set-option", "-t", "w", "remain-on-exit", "on")
+        early = tmux.wait_for(lambda s: "step " in s and "/8" in s)
+        assert "curves" in early and "devices" in early and "ranks (last step)" in early
+        assert "eta " in early or "finished" in early
+        final = tmux.wait_for(lambda s: "step 8/8" in s and "finished" in s)
+        assert train.wait(timeout=120) == 0
+        assert "rank 0 policy" in final and "% cpu" in final and "GiB rss" in final
+        assert any(ch in final for ch in "▁▂▃▄▅▆▇█")  # the sparklines
+        assert "slowest phase" in final and re.search(
+            r" 0 +│ +[\d.]+s │ (checkpoint|backward|generate) ", final
+        )
+        tmux("send-keys", "-t", "w", "C-c")
+        tmux.wait_for(lambda s: tmux("display-message", "-p", "-t", "w", "#{pane_dead}").strip() == "1", 30)
+    finally:
+        train.kill()
+        subprocess.run([*tmux.base, "kill-server"], capture_output=True)
+    p = run_user("watch", str(out), "--once", cwd=tmp_path)  # and once, for scripts
+    assert p.returncode == 0 and "step 8/8" in p.stdout and "finished" in p.stdout
