@@ -74,7 +74,9 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         completion_start=rollout.completion_start,
     )
     with rt.clock.phase("score"):
-        remote = _ask_scorers(rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes)
+        remote = _ask_scorers(
+            rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes
+        )
         p.pending_ref_mixes.clear()
         per_function = p.rewards(
             prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
