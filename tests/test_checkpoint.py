@@ -147,6 +147,7 @@ def test_adaptive_entropy_kill9_then_resume_is_bitwise_identical(tmp_path):
     assert coef[0] == coef[1] == pytest.approx([0.01 + 0.02 * k for k in range(1, 9)])
 
 
+@pytest.mark.slow
 def test_kill9_two_ranks_then_resume(tmp_path):
     sets = (
         "train.max_steps=8",
@@ -167,6 +168,7 @@ def test_kill9_two_ranks_then_resume(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
+@pytest.mark.slow
 def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
     run = tmp_path / "run"
     sets = ("train.max_steps=200", "output.save_every=1", "output.keep_last=2", "train.per_device_batch=16")
@@ -206,6 +208,7 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
     assert f"resuming from {checkpoint.latest(run).parent}" in p.stdout or "resuming from" in p.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_and_matches(tmp_path):
     sets = (
         "train.max_steps=6",

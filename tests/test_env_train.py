@@ -102,6 +102,7 @@ def test_observations_are_attended_but_never_trained(tmp_path):
 # ------------------------------------------------------------------------------------- through the CLI
 
 
+@pytest.mark.slow
 def test_env_job_learns_with_servers_and_reports_metrics(tmp_path):
     """From the CLI with env servers (one per policy device): mean episode reward from <= 0.2 to >= 0.8;
     env metrics per step; samples show transcripts with the observations marked untrained."""
@@ -140,6 +141,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_on_an_env_job(tmp_path):
     sets = ("train.max_steps=3", "train.learning_rate=1e-3", "output.save_every=0")
     one, two = tmp_path / "one", tmp_path / "two"
@@ -154,6 +156,7 @@ def test_two_ranks_equal_one_rank_on_an_env_job(tmp_path):
     assert [x["reward"] for x in metrics(one)] == pytest.approx([x["reward"] for x in metrics(two)], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_is_bitwise_identical_on_an_env_job(tmp_path):
     sets = ("train.max_steps=8", "output.save_every=3", "train.per_device_batch=32", "train.log_every=1")
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -211,6 +214,7 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_is_restarted_and_changes_nothing(tmp_path):
     """kill -9 an env server while the trainer uses it: the manager restarts it, the client replays the
     episodes it held from their seeds, and the run ends with exactly the weights of an undisturbed run."""
@@ -266,6 +270,7 @@ def test_frozenlake_runs_end_to_end_and_its_reward_rises(tmp_path):
     assert any("*" in t["text"] and not t["trained"] for s in samples for t in s["transcript"])
 
 
+@pytest.mark.slow
 def test_servers_someone_else_runs_give_the_same_run_and_a_wrong_token_is_one_line(tmp_path):
     """env.address + env.token_file: a server started by hand (python -m gpufleet.env.server) gives the
     same weights as environments inside the trainer (env.servers 0); a wrong token is one line, exit 2."""

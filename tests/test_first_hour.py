@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 
 from helpers import run_user, sets
@@ -56,6 +57,7 @@ def test_config_explain_documents_each_field(tmp_path):
     assert "train.global_batch" in p.stdout and "kept whatever the number of ranks" in p.stdout
 
 
+@pytest.mark.slow
 def test_global_batch_is_said_and_can_be_pinned(tmp_path):
     home = user_folder(tmp_path)
     two = ["--gpus", "cpu", "--set", "launch.nproc_per_node=2", "--set", "train.per_device_batch=16"]

@@ -175,6 +175,7 @@ def _train(run: Path, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, env=process_env(), cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_fsdp_mixed_precision_trains_within_bf16_tolerance_of_one_rank(tmp_path):
     """2 ranks FSDP2 with bf16 mixed precision vs 1 rank with bf16 autocast and vs fp32: the same
     trajectory within bf16 tolerance: weights no further from either than bf16 autocast is from fp32

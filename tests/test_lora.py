@@ -113,6 +113,7 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
+@pytest.mark.slow
 def test_lora_two_ranks_equal_one_rank_and_checkpoints_hold_the_adapter(tmp_path):
     # lora_dropout 0: dropout masks come from each rank's own random stream (as in any DDP run)
     sets = ("train.max_steps=3", "algorithm.beta=0.04", "output.save_every=2", "model.lora_dropout=0")
@@ -129,6 +130,7 @@ def test_lora_two_ranks_equal_one_rank_and_checkpoints_hold_the_adapter(tmp_path
     assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_lora_kill9_then_resume_is_bitwise_identical(tmp_path):
     sets = ("train.max_steps=8", "output.save_every=3")
     ref, run = tmp_path / "ref", tmp_path / "run"

@@ -78,7 +78,9 @@ def baseline(tmp_path_factory, *sets: str) -> Path:
         ("ddp", ("algorithm.loss_type=dapo", "train.steps_per_generation=2")),
         # the newer loss types (issue 16), off-policy on every second step
         *[
-            pytest.param("ddp", (f"algorithm.name={n}", "train.steps_per_generation=2"), id=n)
+            pytest.param(
+                "ddp", (f"algorithm.name={n}", "train.steps_per_generation=2"), id=n, marks=pytest.mark.slow
+            )
             for n in ("cispo", "sapo", "luspo", "vespo")
         ],
     ],
@@ -97,6 +99,7 @@ def test_two_ranks_equal_one_rank(tmp_path, tmp_path_factory, strategy, extra):
     assert_same_weights(one, two)
 
 
+@pytest.mark.slow
 def test_dedicated_scorer_equals_colocated(tmp_path):
     from mp_rewards import tiny_reward_model
 
@@ -194,6 +197,7 @@ def test_print_launch(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_note_001_layout_runs_on_cpu(tmp_path):
     """examples/gspo-3gpu.yaml as written (policy on 0,1, reference on 2), with --gpus cpu mapping each
     device id to a CPU process; only the model is swapped for a built-in one (no hub here)."""
