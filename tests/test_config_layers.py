@@ -184,3 +184,13 @@ def test_readme_reference_is_current():
     assert block.strip() == markdown().strip(), (
         "run: python -m gpufleet.config.reference and paste into README.md"
     )
+
+
+def test_none_is_a_choice_where_the_field_has_one(tmp_path):
+    """`--set algorithm.scale_rewards=none` (or the env variable) is the choice "none", not a null the preset
+    then fills with "group"; elsewhere "none" is still null."""
+    r = load_job(write(tmp_path, ""), ["algorithm.scale_rewards=none", "reward.timeout=none"], env={})
+    assert r.job.algorithm.scale_rewards == "none"
+    assert r.job.reward.timeout is None
+    r = load_job(write(tmp_path, ""), env={"GPUFLEET_ALGORITHM__SCALE_REWARDS": "None"})
+    assert r.job.algorithm.scale_rewards == "none"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import stat
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -193,9 +194,28 @@ def _line_numbers(node) -> dict[tuple, int]:
     return out
 
 
-def _parse_text(value: str) -> Any:
-    """A value given as text (env, flag): null words become None; the field's type parses the rest."""
-    return None if value.strip().lower() in _NULLS else value
+def _parse_text(value: str, section: str = "", key: str = "") -> Any:
+    """A value given as text (env, flag): null words become None (but "none" stays a word where the field
+    has a choice named "none", e.g. algorithm.scale_rewards); the field's type parses the rest."""
+    word = value.strip().lower()
+    if word == "none" and "none" in _choices(section, key):
+        return "none"
+    return None if word in _NULLS else value
+
+
+def _choices(section: str, key: str) -> set[str]:
+    """The Literal string choices of a job field (empty when it has none or does not exist)."""
+    model = SECTIONS.get(section)
+    field = model.model_fields.get(key) if model is not None else None
+    found: set[str] = set()
+    stack = [field.annotation] if field is not None else []
+    while stack:
+        tp = stack.pop()
+        if typing.get_origin(tp) is typing.Literal:
+            found |= {a for a in typing.get_args(tp) if isinstance(a, str)}
+        else:
+            stack.extend(typing.get_args(tp))
+    return found
 
 
 def env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
@@ -204,7 +224,7 @@ def env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tupl
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue  # GPUFLEET_CACHE and friends are settings, not job fields
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
-        _add(layer, problems, section, key, _parse_text(env[name]), Source("env", name))
+        _add(layer, problems, section, key, _parse_text(env[name], section, key), Source("env", name))
     return layer
 
 
@@ -237,5 +257,5 @@ def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[
                 )
             )
             continue
-        _add(layer, problems, section, key.strip(), _parse_text(value), src)
+        _add(layer, problems, section, key.strip(), _parse_text(value, section, key.strip()), src)
     return layer
