@@ -124,8 +124,10 @@ def test_dedicated_scorer_equals_colocated(tmp_path):
     assert_same_weights(colocated, dedicated)
     import json
 
-    kl = [json.loads(x)["kl"] for x in (dedicated / "metrics.jsonl").read_text().splitlines()]
-    assert kl[-1] > 0  # the reference model was really used
+    rows = [json.loads(x) for x in (dedicated / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["kl"] > 0  # the reference model was really used
+    # the scorer's work per round is in the metrics, within the step (issue 11: every rank's time)
+    assert all(0 < r["timing/scorer/rank2"] < r["step_time"] for r in rows)
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ gloo group of {the node's policy ranks, the scorer}). A policy rank sends `None`
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -16,12 +18,14 @@ from gpufleet.dist import Runtime
 
 
 def request(rt: Runtime, payload: dict) -> dict:
-    """Send `payload` to every scorer of this rank; merge their answers ({"ref_logprobs", "rm_scores"})."""
-    answer: dict = {}
+    """Send `payload` to every scorer of this rank; merge their answers ({"ref_logprobs", "rm_scores"}) and
+    the seconds each scorer worked on the round ({"scorer_busy": {scorer rank: seconds}})."""
+    answer: dict = {"scorer_busy": {}}
     for scorer_rank, _, group in rt.scorers:
         dist.gather_object(payload, None, dst=scorer_rank, group=group)
         out = [None]
         dist.scatter_object_list(out, None, src=scorer_rank, group=group)
+        answer["scorer_busy"][scorer_rank] = out[0].pop("busy_s", 0.0)
         answer.update(out[0])
     return answer
 
@@ -56,6 +60,7 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
         if all(p is None for p in payloads):
             dist.scatter_object_list([None], [{}] * members, src=rt.rank, group=group)
             return
+        started = time.perf_counter()
         _apply_ref_mixes(reference, payloads)
         answers = []
         for p in payloads:
@@ -89,6 +94,8 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
             if reward_model is not None:
                 out["rm_scores"] = reward_model(p["prompts"], p["completions"])
             answers.append(out)
+        busy = time.perf_counter() - started  # this round's work (the wait for the next one is idle)
+        answers = [a | {"busy_s": busy} for a in answers]
         dist.scatter_object_list([None], answers, src=rt.rank, group=group)
 
 

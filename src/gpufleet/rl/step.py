@@ -91,6 +91,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         _add_logprobs(p, batch, remote, autocast)
     if episodes is not None:
         stats |= episode_stats(rt, episodes)
+    # a dedicated scorer's work on this round, seen from this rank (its idle time is the rest of the step)
+    stats |= {f"timing/scorer/rank{r}": s for r, s in remote.get("scorer_busy", {}).items()}
     return Scored(
         batch,
         rollout,
