@@ -57,40 +57,13 @@ def build(
     `run_dir`: the output folder (where gpufleet's environment servers are listed)."""
     from transformers.utils import logging as hf_logging
 
-    from gpufleet.models import load_causal_lm, load_tokenizer
+    from gpufleet.models import load_tokenizer
 
     rt = rt or Runtime()
     hf_logging.disable_progress_bar()
     torch.manual_seed(job.train.seed)
     tokenizer = load_tokenizer(job.model.path)
-    peft = job.model.use_peft  # LoRA: the base from model.path, the adapter from the checkpoint
-    base = job.model.path if peft else str(weights or job.model.path)
-    # Under FSDP the model loads on the CPU and fully_shard moves each unit to the device as it shards
-    # it: a GPU never holds the whole model (a 7B in fp32 is 30 GB).
-    load_on = "cpu" if sharded(job, rt) else str(rt.device)
-    policy = load_causal_lm(base, dtype=model_dtype(job), device=load_on)
-    if peft:
-        from gpufleet.models import lora
-
-        policy = lora.apply(policy, job.model, adapter=weights)
-    if job.model.gradient_checkpointing:
-        # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
-        policy.activation_checkpointing_enable({"use_reentrant": False})
-    train_model = policy
-    if rt.distributed and rt.policy_size > 1:
-        from gpufleet.parallel import wrap_policy
-
-        pl = job.placement
-        dtype = fsdp_param_dtype(job, rt.policy_size)
-        train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
-    reference = None
-    if job.roles_used()["reference"] and not rt.dedicated("reference"):
-        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=load_on).eval()
-        reference.requires_grad_(False)
-        if sharded(job, rt):  # 1/N of the reference per policy rank
-            from gpufleet.parallel import shard_frozen
-
-            reference = shard_frozen(reference, rt)
+    policy, train_model, reference = _models(job, rt, weights)
     env = source = None
     if job.env.name:
         from gpufleet.env.connect import open_pool
@@ -121,6 +94,43 @@ def build(
         suppress_tokens,
         EntropyControl.from_job(job),
     )
+
+
+def _models(
+    job: Job, rt: Runtime, weights: Path | None
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module | None]:
+    """(policy, the module trained: the policy or its DDP / FSDP wrapper, the colocated reference or None)."""
+    from gpufleet.models import load_causal_lm
+
+    peft = job.model.use_peft  # LoRA: the base from model.path, the adapter from the checkpoint
+    base = job.model.path if peft else str(weights or job.model.path)
+    # Under FSDP the model loads on the CPU and fully_shard moves each unit to the device as it shards
+    # it: a GPU never holds the whole model (a 7B in fp32 is 30 GB).
+    load_on = "cpu" if sharded(job, rt) else str(rt.device)
+    policy = load_causal_lm(base, dtype=model_dtype(job), device=load_on)
+    if peft:
+        from gpufleet.models import lora
+
+        policy = lora.apply(policy, job.model, adapter=weights)
+    if job.model.gradient_checkpointing:
+        # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    train_model = policy
+    if rt.distributed and rt.policy_size > 1:
+        from gpufleet.parallel import wrap_policy
+
+        pl = job.placement
+        dtype = fsdp_param_dtype(job, rt.policy_size)
+        train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
+    reference = None
+    if job.roles_used()["reference"] and not rt.dedicated("reference"):
+        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=load_on).eval()
+        reference.requires_grad_(False)
+        if sharded(job, rt):  # 1/N of the reference per policy rank
+            from gpufleet.parallel import shard_frozen
+
+            reference = shard_frozen(reference, rt)
+    return policy, train_model, reference
 
 
 def sharded(job: Job, rt: Runtime) -> bool:
