@@ -6,17 +6,12 @@ offloaded DTensors, not the GPU memory it saves (that is the planner's, tests/te
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gpufleet.launch.torchrun import free_port
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -57,7 +52,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_cpu_offload_policy_trains_like_fsdp(tmp_path):
     out = str(tmp_path / "states.pt")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     states = torch.load(out)
     plain, offloaded = states["none"], states["params"]
     assert plain.keys() == offloaded.keys()

@@ -19,11 +19,11 @@ import torch
 import torch.multiprocessing as mp
 
 from gpufleet.config.schema import ModelSection, TrainSection
+from gpufleet.launch.torchrun import free_port
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes, with_adapter
 from gpufleet.plan.shape import arch_from_config, count_parameters
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.rollout import sequence_logprobs
-from test_offload_wrap import _free_port
 from test_plan_measure import SHAPES, batch, build, storage_bytes
 
 RAW = SHAPES["qwen2 (GQA 4/2, tied, q/k/v bias)"]
@@ -99,7 +99,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_fsdp_mixed_precision_and_sharded_reference_as_planned(tmp_path):
     out = str(tmp_path / "measured")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     arch = arch_from_config(build(RAW).config.to_dict())
     params = count_parameters(arch)
     state = train_state_bytes(params, Precision("float32", "float32"), shards=2, fused_adamw=False)

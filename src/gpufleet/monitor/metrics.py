@@ -29,7 +29,7 @@ def _plain(v: Any) -> Any:
     return v.item() if hasattr(v, "item") else str(v)
 
 
-def _fmt_time(seconds: float) -> str:
+def fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     m, s = divmod(int(seconds), 60)
@@ -52,7 +52,7 @@ class Progress:
         return (
             f"step {step:>{width}}/{self.total}  reward {m['reward']:.3f} (sd {m['reward_std']:.3f})  "
             f"kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}  loss {m['loss']:+.4f}  "
-            f"{m['step_time']:.2f}s/step  elapsed {_fmt_time(elapsed)}  eta {_fmt_time(eta)}"
+            f"{m['step_time']:.2f}s/step  elapsed {fmt_time(elapsed)}  eta {fmt_time(eta)}"
         )
 
     def print(self, step: int, m: dict[str, float]) -> None:

@@ -18,6 +18,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from gpufleet.monitor.metrics import fmt_time
 from gpufleet.monitor.runfiles import Run, load_run, max_steps
 from gpufleet.monitor.timing import PHASES
 
@@ -42,21 +43,13 @@ def bar(fraction: float, width: int = 20) -> str:
     return "█" * full + "░" * (width - full)
 
 
-def _fmt(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
 def _header(run: Run) -> Text:
     last = run.metrics[-1] if run.metrics else {}
     step, total = int(last.get("step", 0)), max_steps(run)
     recent = [m["step_time"] for m in run.metrics[-10:] if "step_time" in m]
     per_step = sum(recent) / len(recent) if recent else math.nan
     done = (run.path / "final").exists() or (total is not None and step >= total)
-    eta = "finished" if done else f"eta {_fmt(per_step * ((total or step) - step))}"
+    eta = "finished" if done else f"eta {fmt_time(per_step * ((total or step) - step))}"
     return Text(
         f"{run.name}  step {step}/{total or '?'}  {per_step:.2f}s/step  {eta}",
         style="bold",
