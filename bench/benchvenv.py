@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
+BENCH = ROOT / "bench"
 BENCH_VENV = ROOT / ".bench-venv"
 BENCH_PY = BENCH_VENV / "bin" / "python"
 

@@ -10,19 +10,20 @@ import argparse
 import json
 from pathlib import Path
 
-from measure import PROMPT_TOKENS, TEMPERATURE, Preset, StepClock, write_result
+from measure import BENCH_MODELS, PROMPT_TOKENS, TEMPERATURE, Preset, StepClock, model_folder, write_result
 
 
 def job_sets(a: argparse.Namespace, p: Preset, out: Path) -> list[str]:
     """The job as `--set` overrides: the shared settings of preset `p`, steps, lr and seed from `a`."""
+    model = str(model_folder(p)) if p.model in BENCH_MODELS else f"builtin:{p.model}"
     return [
-        "model.path=builtin:tiny-qwen2",
+        f"model.path={model}",
         "model.dtype=float32",
         "model.gradient_checkpointing=false",
         "data.path=builtin:repeat",
         "algorithm.name=grpo",
         f"algorithm.num_generations={p.generations}",
-        "algorithm.beta=0",
+        f"algorithm.beta={p.beta}",
         "algorithm.loss_type=grpo",
         "algorithm.importance_level=token",
         "algorithm.scale_rewards=group",
@@ -85,4 +86,6 @@ def run(a: argparse.Namespace, p: Preset) -> None:
         inner_step_time=own,
         reward=[r["reward"] for r in rows],
         completion_length=[r["completions/mean_length"] for r in rows],
+        max_length=[r["completions/max_length"] for r in rows],
+        timing={k: [r.get(k, 0.0) for r in rows] for k in rows[0] if k.startswith("timing/")},
     )

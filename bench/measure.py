@@ -18,12 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT_TOKENS = 8
+PROMPT_WIDTH = 2
+"""Tokens of every `builtin:repeat` prompt ("h:"; one per character): the padded prompt width of a batch."""
 TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Settings shared by both trainers. `speed`: the issue's measurement; `learn`: examples/quickstart.yaml."""
+    """Settings shared by both trainers. `speed`: the issue's measurement at tiny size; `small`: the same at
+    3.2M parameters with a reference model; `learn`: examples/quickstart.yaml."""
 
     name: str
     batch: int  # completions per optimizer step (prompts x generations)
@@ -32,12 +35,56 @@ class Preset:
     steps: int  # default of --steps
     lr: float  # default of --lr
     every: int  # default of --every
+    model: str = "tiny-qwen2"  # a gpufleet built-in model, or a key of BENCH_MODELS
+    beta: float = 0.0  # KL coefficient (> 0: a reference model's forward in every step)
 
 
 PRESETS: dict[str, Preset] = {
     "speed": Preset("speed", batch=8, generations=4, completion_tokens=32, steps=40, lr=3e-3, every=5),
+    "small": Preset(
+        "small",
+        batch=16,
+        generations=8,
+        completion_tokens=64,
+        steps=20,
+        lr=1e-3,
+        every=5,
+        model="qwen2-256x4",
+        beta=0.04,
+    ),
     "learn": Preset("learn", batch=128, generations=8, completion_tokens=8, steps=200, lr=3e-3, every=10),
 }
+
+BENCH_MODELS: dict[str, dict[str, int]] = {
+    "qwen2-256x4": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 768,
+    },
+}
+"""Benchmark models: builtin:tiny-qwen2's config.json (character vocabulary, tied embeddings) with these
+sizes. `qwen2-256x4`: 3.2M parameters."""
+
+
+def model_config(p: Preset) -> dict:
+    """The config.json dict of preset `p`'s model."""
+    from gpufleet.models.builtin import builtin_config
+
+    if p.model in BENCH_MODELS:
+        return builtin_config("tiny-qwen2") | BENCH_MODELS[p.model]
+    return builtin_config(p.model)
+
+
+def model_folder(p: Preset) -> Path:
+    """The Hugging Face folder both trainers load (made once, in gpufleet's cache, with seed-0 weights)."""
+    from gpufleet.models.builtin import default_root, materialize, materialize_config
+
+    if p.model in BENCH_MODELS:
+        return materialize_config(model_config(p), default_root() / "models" / f"bench-{p.model}")
+    return materialize(p.model, root=default_root())
 
 
 def intervals(stamps: list[float], first: float) -> list[float]:

@@ -10,6 +10,7 @@ import platform
 from pathlib import Path
 
 from measure import (
+    PROMPT_WIDTH,
     STARTUP_GPUFLEET,
     STARTUP_GPUFLEET_FULL,
     STARTUP_PYTHON,
@@ -17,8 +18,13 @@ from measure import (
     STARTUP_TRL_FULL,
     TEMPERATURE,
     Preset,
+    model_config,
 )
+from phases import phase_table
 from stats import MA_TARGET, MA_WINDOW, learning_stats, mean, med, sd
+
+GOALS = {"speed": 0.35, "small": 0.6}
+"""Issue 14's goals for gpufleet / TRL step time, by preset."""
 
 
 def cpu_model() -> str:
@@ -35,6 +41,15 @@ def versions() -> str:
     import importlib.metadata as md
 
     return ", ".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "trl", "accelerate"))
+
+
+def model_params(p: Preset) -> int:
+    """Parameters of preset `p`'s model (from its config.json: embedding, layers, norms; tied head once)."""
+    from flops import head_params, layer_params
+
+    cfg = model_config(p)
+    extra = 0 if cfg.get("tie_word_embeddings") else head_params(cfg)
+    return head_params(cfg) + layer_params(cfg) + extra
 
 
 def seeds_text(a: argparse.Namespace) -> str:
@@ -115,7 +130,7 @@ def speed_table(
 
 
 def report(
-    a: argparse.Namespace, p: Preset, results: dict, startup: dict, loads: list[float], work: Path
+    a: argparse.Namespace, p: Preset, results: dict, startup: dict, loads: list[float], work: Path, peak: dict
 ) -> None:
     """Print the reward table, then the summary block to paste into the README."""
     curve_rows = reward_curves(a, results, work)
@@ -129,14 +144,25 @@ def report(
         "### gpufleet vs TRL GRPOTrainer (`bench/vs_trl.py`)",
         "",
         f"{cpu_model()}, {os.cpu_count()} cores ({loadtxt}); torch.set_num_threads({a.threads}) in both; {versions()}.",
-        f"Preset `{p.name}`. Both: builtin:tiny-qwen2 fp32, builtin:repeat, {p.batch} completions/step ({p.batch // p.generations} prompts x "
-        f"{p.generations} generations), {p.completion_tokens} completion tokens, temperature {TEMPERATURE}, beta 0, loss_type grpo, "
+        f"Preset `{p.name}`. Both: {p.model} ({model_params(p) / 1e6:.2f}M weights) fp32, builtin:repeat, {p.batch} completions/step ({p.batch // p.generations} prompts x "
+        f"{p.generations} generations), {p.completion_tokens} completion tokens, temperature {TEMPERATURE}, beta {p.beta:g}, loss_type grpo, "
         f"lr {a.lr:g} constant, {a.steps} steps, seeds {seeds_text(a)}; median over steps after {a.warmup} warm-up steps, all seeds pooled.",
         "",
         *speed_table(a, p, results, startup, g, t),
         "",
+        *phase_table(
+            model_config(p),
+            p.batch,
+            PROMPT_WIDTH,
+            p.beta,
+            results["gpufleet"],
+            results["trl"],
+            a.warmup,
+            peak,
+        ),
+        "",
         *(learning_lines(a, learning_stats(results), curve_rows) if p.name == "learn" else []),
-        f"(`python -c pass`: {python}. Goal for the step-time ratio: <= 0.5. Raw data: {work / 'results.json'}.)",
+        f"(`python -c pass`: {python}. Goal for the step-time ratio: <= {GOALS.get(p.name, '-')}. Raw data: {work / 'results.json'}.)",
     ]
     if contention > 1.15:
         lines.append(

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from measure import TEMPERATURE, Preset, StepClock, write_result
+from measure import TEMPERATURE, Preset, StepClock, model_folder, write_result
 
 # GRPOConfig fields printed into the run's log (what TRL really ran with).
 SHOWN_SETTINGS = (
@@ -38,7 +38,7 @@ def grpo_config(a: argparse.Namespace, p: Preset):
         temperature=TEMPERATURE,
         top_p=1.0,
         top_k=0,
-        beta=0.0,
+        beta=p.beta,
         loss_type="grpo",
         importance_sampling_level="token",
         scale_rewards="group",
@@ -109,11 +109,10 @@ def run(a: argparse.Namespace, p: Preset) -> None:
     from trl import GRPOTrainer
 
     from gpufleet.models import load_tokenizer
-    from gpufleet.models.builtin import default_root, materialize
     from gpufleet.tasks import get_task
 
-    # The same folder gpufleet's `builtin:tiny-qwen2` resolves to (same weights, same tokenizer).
-    folder = materialize("tiny-qwen2", root=default_root())
+    # The same folder gpufleet's side loads (same weights, same tokenizer).
+    folder = model_folder(p)
     tokenizer = load_tokenizer(str(folder))  # not AutoTokenizer: see gpufleet.models.load_tokenizer
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     # The prompt stream gpufleet reads for builtin:repeat (example i of stream `seed`), in order.

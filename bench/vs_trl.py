@@ -47,7 +47,7 @@ from pathlib import Path
 
 import gpufleet_run
 import trl_run
-from benchvenv import ROOT, SRC, child_env, in_bench_venv, reexec_in_bench_venv
+from benchvenv import BENCH, ROOT, SRC, child_env, in_bench_venv, reexec_in_bench_venv
 from measure import PRESETS, Preset, measure_startup
 from stats import MA_TARGET, auc, mean, med, steps_to_reach
 from summary import cpu_model, report, seeds_text, versions
@@ -107,8 +107,12 @@ def orchestrate(a: argparse.Namespace, p: Preset) -> None:
     )
     env = child_env(a.threads, a.src)
     # Materialize the model once, up front, so neither trainer pays for building it.
-    materialize = "from gpufleet.models.builtin import materialize; materialize('tiny-qwen2')"
-    subprocess.run([sys.executable, "-c", materialize], env=env, cwd=ROOT, check=True)
+    materialize = f"from measure import PRESETS, model_folder; model_folder(PRESETS[{p.name!r}])"
+    subprocess.run([sys.executable, "-c", materialize], env=env, cwd=BENCH, check=True)
+    peak_file = work / "gemm_peak.json"
+    gemm = [sys.executable, str(BENCH / "gemm_peak.py"), "--preset", p.name, "--threads", str(a.threads)]
+    subprocess.run([*gemm, "--json", str(peak_file)], env=env, cwd=BENCH, check=True)
+    peak = json.loads(peak_file.read_text())
 
     startup = measure_startup(a.startup_runs, env, ROOT) if a.startup_runs > 0 else {}
     for name, ts in startup.items():
@@ -124,7 +128,7 @@ def orchestrate(a: argparse.Namespace, p: Preset) -> None:
             loads.append(r["load_after"])
             print_run(kind, seed, r, a.warmup)
     (work / "results.json").write_text(json.dumps({"startup": startup, "runs": results}, indent=1))
-    report(a, p, results, startup, loads, work)
+    report(a, p, results, startup, loads, work, peak)
 
 
 def parse_args() -> argparse.Namespace:
@@ -133,11 +137,15 @@ def parse_args() -> argparse.Namespace:
         "--preset",
         choices=tuple(PRESETS),
         default="speed",
-        help="shared settings: speed (default; 8 completions/step, 32 tokens, 40 steps: the issue's speed "
-        "measurement) or learn (examples/quickstart.yaml: 16 prompts x 8 generations, 8 tokens, 200 steps)",
+        help="shared settings: speed (default; tiny-qwen2, 8 completions/step, 32 tokens, 40 steps), small "
+        "(a 3.2M-parameter Qwen2, 16 completions/step, G 8, 64 tokens, beta 0.04, 20 steps) or learn "
+        "(examples/quickstart.yaml: 16 prompts x 8 generations, 8 tokens, 200 steps)",
     )
     ap.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps per run (default: the preset's, 40 / 200)"
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per run (default: the preset's, 40 / 20 / 200)",
     )
     ap.add_argument(
         "--seeds",

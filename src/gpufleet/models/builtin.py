@@ -159,8 +159,13 @@ def materialize(name: str, root: str | Path | None = None, seed: int = 0) -> Pat
     folder next to the target and renames it into place; a process that loses the race keeps the
     winner's folder. A folder left by a gpufleet whose config differed is replaced.
     """
-    config = builtin_config(name)
-    target = model_dir(name, root, seed)
+    return materialize_config(builtin_config(name), model_dir(name, root, seed), seed)
+
+
+def materialize_config(config: dict[str, Any], target: Path, seed: int = 0) -> Path:
+    """``materialize`` for any config.json dict over ``CHAR_VOCAB`` (the benchmarks' larger models):
+    the folder ``target`` with that config, seeded random weights and the character tokenizer."""
+    target = Path(target)
     if _is_complete(target, config):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,10 @@ stream per *row*:
   weights, 2-2.6x faster for 8 rows x 32 tokens on CPU. Anything else (DDP/FSDP or other wrappers
   included) runs the model's own forward; ``GPUFLEET_FAST_DECODE=0`` forces that path.
 
-``sequence_logprobs`` asks the model for the completion's logits only (``logits_to_keep``), then
-computes per-token log-probs and entropies in chunks along time, recomputing each chunk in backward:
-beyond the logits themselves, float32 temporaries over the vocabulary exist for one chunk at a time.
+``sequence_logprobs`` asks the model for the completion's positions only (``logits_to_keep``) and, for
+the usual decoder classes, swaps the model's output head for ``loghead.LogprobHead`` during the call:
+the head's logits and the float32 temporaries over the vocabulary exist for one chunk of positions at a
+time, recomputed in backward. Other models give their completion logits whole, then chunked statistics.
 """
 
 from __future__ import annotations
@@ -35,18 +36,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_early, suppress_logits
+from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
+from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_logits
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
 FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 """Set to 0 to sample through the Hugging Face forward even where ``FastDecoder`` supports the model."""
 
-_CHUNK_ELEMENTS = 1 << 24
-"""Default time chunk of ``sequence_logprobs``: about this many (batch x time x vocab) floats at once."""
+FUSED_ENV = "GPUFLEET_FUSED_LOGPROBS"
+"""Set to 0 to take log-probs from the model's full logits even where ``loghead`` supports the model."""
+
+_OFF = ("0", "false", "no", "off")
+_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
 @dataclass
@@ -174,7 +178,7 @@ def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None
     Only a plain model qualifies (a DDP/FSDP wrapper or any other wrapper fails the exact class check of
     ``FastDecoder.unsupported_reason``); ``GPUFLEET_FAST_DECODE=0`` turns the fast path off.
     """
-    if os.environ.get(FAST_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(FAST_DECODE_ENV, "1").strip().lower() in _OFF:
         return None
     if FastDecoder.unsupported_reason(model, max_length) is not None:
         return None
@@ -278,30 +282,6 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
     return hf
 
 
-def _token_stats(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    suppress_tokens: Sequence[int] = (),
-    early: tuple[int | None, int, int] = (None, 0, 0),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32,
-    with the ``suppress_tokens`` at probability 0 (where a target is one, padding after EOS, its log-prob is 0)
-    and ``early`` = (EOS id, first position of the chunk, min_new_tokens): EOS at probability 0 before it."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logits = suppress_early(suppress_logits(logits, suppress_tokens), *early)
-    log_z = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
-    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-    if suppress_tokens:  # padding after EOS: masked by the caller, kept finite here
-        logp = logp.masked_fill(
-            torch.isin(targets, torch.tensor(list(suppress_tokens), device=targets.device)), 0.0
-        )
-    return logp, entropy
-
-
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -320,8 +300,10 @@ def sequence_logprobs(
     the ``suppress_tokens`` get probability 0, and ``eos_token_id`` before ``min_new_tokens``, as in ``generate``.
     Gradients flow into the log-probs when called with grad enabled; the entropy is for metrics and
     carries a gradient too. ``model`` is called once as a whole (so DDP/FSDP wrappers work) with
-    ``logits_to_keep`` covering only the completion; the per-token statistics are then taken ``chunk``
-    positions at a time (default: about 16M logits per chunk), each chunk recomputed in backward.
+    ``logits_to_keep`` covering only the completion. For the models of ``loghead.FUSED_CLASSES`` its
+    head is ``loghead.LogprobHead`` during the call: logits exist ``chunk`` positions at a time only
+    (default: about 16M logits per chunk), each chunk recomputed in backward; for other models (or with
+    ``GPUFLEET_FUSED_LOGPROBS=0``) the completion's logits are made whole and the statistics taken in chunks.
     Values at masked positions are computed but meaningless; the caller applies the mask.
     """
     batch, length = input_ids.shape
@@ -329,30 +311,28 @@ def sequence_logprobs(
     if not 0 < completion_start < length:
         raise ValueError(f"completion_start must be in [1, {length - 1}], got {completion_start}")
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=steps + 1,
-    ).logits[:, :-1]
     targets = input_ids[:, completion_start:]
-    if chunk is None:
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
-    recompute = torch.is_grad_enabled() and logits.requires_grad
-    logps, entropies = [], []
-    for start in range(0, steps, chunk):
-        piece = (
-            logits[:, start : start + chunk],
-            targets[:, start : start + chunk],
-            temperature,
-            tuple(suppress_tokens),
-            (eos_token_id, start, min_new_tokens),
-        )
-        if recompute:
-            logp, entropy = checkpoint(_token_stats, *piece, use_reentrant=False)
-        else:
-            logp, entropy = _token_stats(*piece)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
+    settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
+
+    def forward() -> torch.Tensor:
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=steps + 1,
+        ).logits
+
+    lm = causal_lm(model) if os.environ.get(FUSED_ENV, "1").strip().lower() not in _OFF else None
+    if lm is not None:
+        size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * lm.config.vocab_size))
+
+        def head(original: torch.nn.Module, softcap: float | None) -> LogprobHead:
+            return LogprobHead(original, targets, size, softcap, settings)
+
+        with fused_head(lm, head):
+            stats = forward()
+        return stats[..., 0], stats[..., 1]
+    logits = forward()[:, :-1]
+    size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
+    return chunked_stats(lambda x: x, logits, targets, size, settings)

@@ -1,0 +1,71 @@
+"""Achieved FLOP/s per phase of gpufleet's step, and over the whole step of both trainers, as a fraction
+of the machine's matmul peak (`gemm_peak.py`); printed by `vs_trl.py` after the speed table.
+
+Phase times are gpufleet's own `timing/<phase>` metrics (wall seconds per step, metrics.jsonl). On a
+shared machine wall time includes time other processes held the core, so each phase's wall time is
+scaled by its run's CPU / wall ratio over the same steps (the process's CPU time per step is known; its
+split over phases is not: this assumes the interference is spread evenly over the step). FLOPs come
+from `flops.step_flops` at each step's longest completion (the padded width both trainers compute
+over). TRL's per-step FLOPs are taken as gpufleet's (same model, batch, sampling settings; its
+per-step longest completion is not recorded): its step-level figure is an estimate.
+"""
+
+from __future__ import annotations
+
+from flops import step_flops
+from stats import med
+
+PHASES = ("generate", "score", "backward", "optimizer", "checkpoint", "other")
+
+
+def cpu_factor(run: dict, warmup: int) -> float:
+    """CPU / wall over the run's steps after `warmup` (1.0: the process had a core to itself)."""
+    wall, cpu = sum(run["step_time"][warmup:]), sum(run["cpu_step_time"][warmup:])
+    return cpu / wall if wall > 0 else 1.0
+
+
+def phase_table(
+    cfg: dict,
+    batch: int,
+    prompt: int,
+    beta: float,
+    runs: list[dict],
+    trl: list[dict],
+    warmup: int,
+    peak: dict,
+) -> list[str]:
+    """Markdown lines: per phase the FLOPs per step, CPU-scaled seconds, GFLOP/s and fraction of peak;
+    then the whole step of each trainer (CPU time per step)."""
+    flops = dict.fromkeys((*PHASES, "total"), 0.0)
+    secs = dict.fromkeys(PHASES, 0.0)
+    steps = 0
+    for run in runs:
+        factor = cpu_factor(run, warmup)
+        for s in range(warmup, len(run["max_length"])):
+            f = step_flops(cfg, batch, prompt, int(run["max_length"][s]), beta)
+            for k, v in f.items():
+                flops[k] += v
+            for ph in PHASES:
+                secs[ph] += run["timing"].get(f"timing/{ph}", [0.0] * (s + 1))[s] * factor
+            steps += 1
+    peak_cpu = peak["peak_cpu"]
+    lines = [
+        f"Matmul peak (`bench/gemm_peak.py`, float32, {peak['threads']} thread(s), best shape of the step): "
+        f"{peak_cpu / 1e9:.1f} GFLOP/s by CPU time ({peak['peak_wall'] / 1e9:.1f} by wall time; 1024^3 square "
+        f"{peak['square_cpu'] / 1e9:.1f}).",
+        "",
+        "| gpufleet phase | GFLOP per step | ms per step (CPU-scaled) | GFLOP/s | fraction of peak |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for ph in PHASES:
+        f, t = flops.get(ph, 0.0) / max(steps, 1), secs[ph] / max(steps, 1)
+        rate = f / t if t > 0 else 0.0
+        frac = f"{rate / peak_cpu:.0%}" if f > 0 else "-"
+        lines.append(f"| {ph} | {f / 1e9:.2f} | {t * 1000:.0f} | {rate / 1e9:.1f} | {frac} |")
+    total = flops["total"] / max(steps, 1)
+    for name, rs in (("gpufleet", runs), ("TRL 1.16", trl)):
+        cpu = med([x for r in rs for x in r["cpu_step_time"][warmup:]])
+        lines.append(
+            f"| **{name}, whole step** (CPU time) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
+        )
+    return lines
