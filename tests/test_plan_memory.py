@@ -224,13 +224,30 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
     on = train_activations(arch, params, p, checkpointing=True, **kw)
     assert on.layers == arch.num_layers * 4 * 512 * arch.hidden_size * 4
     assert on.saved < off.saved / 5
-    assert on.logits == off.logits == 4 * 257 * arch.vocab_size * 4
+    assert on.logits == off.logits == 0  # the head runs chunk by chunk (rl/loghead.py)
+    gpt2 = arch_from_config(
+        dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
+    )
+    whole = train_activations(gpt2, count_parameters(gpt2), p, checkpointing=True, **kw)
+    assert whole.logits == 4 * 257 * gpt2.vocab_size * 4
 
 
 def test_chunk_size_mirrors_the_trainer():
     from gpufleet.rl import rollout
 
     assert LOGPROB_CHUNK_ELEMENTS == rollout._CHUNK_ELEMENTS
+
+
+def test_fused_families_mirror_the_trainer():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from gpufleet.plan.memory import FUSED_LOGPROB_FAMILIES
+    from gpufleet.plan.shape import SUPPORTED_TYPES
+    from gpufleet.rl.loghead import FUSED_CLASSES
+
+    for model_type, family in SUPPORTED_TYPES.items():
+        fused = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in FUSED_CLASSES
+        assert fused == (family in FUSED_LOGPROB_FAMILIES), model_type
 
 
 def test_overhead_setting():

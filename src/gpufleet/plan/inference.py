@@ -11,13 +11,14 @@ KV cache of the rollout (`rollout_bytes`)
 Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
     Inference weights (reference: the policy's dtype, as the trainer loads it; reward model: its
     checkpoint dtype, which is what `from_pretrained` picks in transformers 5) plus one forward's
-    working set: the largest layer's temporaries for a micro-batch, or the logits and one log-softmax
-    chunk, whichever is larger.
+    working set: the largest layer's temporaries for a micro-batch, or the logits (whole, or one chunk
+    of them where the head runs chunk by chunk: `memory.logits_bytes`) and one log-softmax chunk,
+    whichever is larger.
 """
 
 from __future__ import annotations
 
-from gpufleet.plan.memory import Precision, chunk_elements, inference_layer_bytes_per_token
+from gpufleet.plan.memory import Precision, chunk_elements, inference_layer_bytes_per_token, logits_bytes
 from gpufleet.plan.shape import Arch, ParamCount
 
 REWARD_MODEL_BATCH = 16
@@ -40,10 +41,11 @@ def logprob_scoring_bytes(
     low-precision copy of every matmul weight until the autocast block ends; for the frozen reference
     it casts one weight at a time.
     """
-    b, s, c = batch, prompt_tokens + completion_tokens, completion_tokens + 1
+    b, s = batch, prompt_tokens + completion_tokens
     a = p.compute_bytes
     layer = inference_layer_bytes_per_token(arch, p, s) * b * s + b * s * s
-    logits = b * c * arch.vocab_size * a * (2 if arch.final_logit_softcap else 1)
+    kept, chunk_logits = logits_bytes(arch, a, b, completion_tokens)
+    logits = kept or chunk_logits
     chunk = 3 * chunk_elements(b, completion_tokens, arch.vocab_size) * 4
     if p.autocast:
         copies = params.matmul * a if cached_weight_copies else params.largest_matmul * a

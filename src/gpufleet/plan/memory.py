@@ -37,11 +37,12 @@ Activations of one micro-batch (`train_activations`)
       their product (= down_proj's input): 4 x intermediate_size instead of the 19sbh of GeLU with 4h.
     * No dropout (Llama-family configs have attention_dropout 0); GPT-2 adds its dropout masks.
     * Outside the layers: the rotary cos/sin tables, the token ids, the final norm, the LM head's input
-      for the completion positions only, and the logits: `sequence_logprobs` asks for the completion's
-      logits (`logits_to_keep = T + 1`), shape (b, T + 1, vocab) in the compute dtype, kept alive for
-      the checkpointed per-chunk log-softmax (fp32 temporaries over the vocabulary exist for one chunk
-      of about 2**24 elements at a time). Gemma2's final soft-capping keeps a second logits-sized
-      tensor.
+      for the completion positions only, and no logits: for the families in `FUSED_LOGPROB_FAMILIES`
+      `sequence_logprobs` applies the head chunk by chunk (`rl/loghead.py`), each chunk of about 2**24
+      logits recomputed in backward, so logits exist for one chunk at a time (in the compute dtype, its
+      fp32 temporaries, Gemma2's soft-capped copy). Other families (GPT-2) get the completion's logits
+      whole (`logits_to_keep = T + 1`): (b, T + 1, vocab) in the compute dtype kept for the checkpointed
+      per-chunk log-softmax, plus their gradient in backward.
     * Under autocast with fp32 weights, each Linear keeps the bf16 copy of its weight for backward:
       2 bytes x every matmul weight (including the LM head), alive from forward to backward.
     * Gradient checkpointing (`activation_checkpointing_enable`): each layer keeps only its input
@@ -69,6 +70,10 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 24
 """Mirror of `gpufleet.rl.rollout._CHUNK_ELEMENTS` (a test keeps them equal): logits per log-prob chunk."""
+
+FUSED_LOGPROB_FAMILIES = frozenset({"llama", "gemma", "gemma2"})
+"""Families whose classes are in `gpufleet.rl.loghead.FUSED_CLASSES` (a test keeps them in step): their
+log-probs never hold the whole batch's logits."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,8 @@ class Activations:
     head: int
     """Final norm and the LM head's input (completion positions)."""
     logits: int
-    """(b, T+1, vocab) logits kept for the checkpointed log-softmax chunks (x2 with soft-capping)."""
+    """(b, T+1, vocab) logits kept for the checkpointed log-softmax chunks (x2 with soft-capping); 0 where
+    the head runs chunk by chunk (`FUSED_LOGPROB_FAMILIES`)."""
     weight_copies: int
     """Low-precision copies of the decoder layers' matmul weights made by autocast (saved for backward;
     with gradient checkpointing only cached until the end of the forward)."""
@@ -241,8 +247,9 @@ class Activations:
     loss: int
     """Per-token log-probs, entropies and loss terms (fp32, b x T)."""
     backward: int
-    """Extra working memory during backward: logits' gradient and one log-softmax chunk, or the
-    recomputed layer and the layer gradients, whichever is larger."""
+    """Extra working memory during backward: logits' gradient and one log-softmax chunk (or, chunk by
+    chunk, one chunk's recomputed logits and their gradient), or the recomputed layer and the layer
+    gradients, whichever is larger."""
     checkpointing: bool
 
     @property
@@ -267,6 +274,16 @@ def chunk_elements(batch: int, positions: int, vocab: int) -> int:
     """Logits in one log-softmax chunk of `sequence_logprobs`."""
     chunk = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, batch * vocab))
     return batch * min(chunk, positions) * vocab
+
+
+def logits_bytes(arch: Arch, compute_bytes: int, batch: int, completion_tokens: int) -> tuple[int, int]:
+    """(kept, chunk): the logits `sequence_logprobs` holds whole for the batch (0 where the head runs
+    chunk by chunk) and those of one chunk in the compute dtype (x2 with Gemma2's soft-capping)."""
+    copies = 2 if arch.final_logit_softcap else 1
+    chunk = chunk_elements(batch, completion_tokens, arch.vocab_size) * compute_bytes * copies
+    if arch.family in FUSED_LOGPROB_FAMILIES:
+        return 0, chunk
+    return batch * (completion_tokens + 1) * arch.vocab_size * compute_bytes * copies, chunk
 
 
 def inference_layer_bytes_per_token(arch: Arch, p: Precision, seq: int) -> int:
@@ -312,12 +329,15 @@ def train_activations(
         shared += mask + (0 if arch.family == "gpt2" else tokens * 8)
     else:
         layers = arch.num_layers * layer
-    logits = b * c * v * a * (2 if arch.final_logit_softcap else 1)
+    logits, chunk_logits = logits_bytes(arch, a, b, completion_tokens)
     weight_copies = (params.matmul - params.head_matmul) * a if p.autocast else 0
     head_weight_copy = params.head_matmul * a if p.autocast else 0
     loss = 12 * b * completion_tokens * 4
     chunk = chunk_elements(b, completion_tokens, v)
-    logits_grad = 2 * b * c * v * a + 4 * chunk * 4
+    # whole logits: their gradient and the recomputed chunk; chunk by chunk: one chunk's logits, their
+    # gradient and the head input's gradient (b, T + 1, h)
+    whole = 2 * logits + 4 * chunk * 4 if logits else 2 * chunk_logits + 4 * chunk * 4 + b * c * h * a
+    logits_grad = whole
     layer_grad = tokens * (2 * h * r + 3 * arch.intermediate_size * a) + (layer if checkpointing else 0)
     return Activations(
         layers=layers,
