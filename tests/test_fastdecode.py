@@ -300,17 +300,26 @@ def test_generate_fast_path_gives_the_hf_path_tokens(models, monkeypatch, name, 
 
 
 def test_generate_rows_finishing_at_different_steps(models, monkeypatch):
-    """EOS is a token the model often picks, so rows stop at different steps (the rest keep going)."""
+    """EOS is a token the model often picks, so rows stop at different steps (the rest keep going); the
+    fast decoder drops finished rows as it goes, and gives the same rollout as when it keeps them all."""
     model = models["tiny-qwen2"]
     prompts = random_prompts(12, seed=3, lo=1, hi=10)
     probe = sample(model, prompts, monkeypatch, fast=False, temperature=1.0, max_new_tokens=16)
     eos = int(torch.mode(probe.completion_ids.flatten()).values)
-    hf = sample(model, prompts, monkeypatch, fast=False, temperature=1.0, max_new_tokens=16, eos_token_id=eos)
-    fast = sample(
-        model, prompts, monkeypatch, fast=True, temperature=1.0, max_new_tokens=16, eos_token_id=eos
-    )
+    kw = dict(temperature=1.0, max_new_tokens=16, eos_token_id=eos)
+    hf = sample(model, prompts, monkeypatch, fast=False, **kw)
+    kept: list[int] = []
+    keep = FastDecoder.keep
+    monkeypatch.setattr(FastDecoder, "keep", lambda self, rows: kept.append(len(rows)) or keep(self, rows))
     assert 0 < int(hf.is_truncated.sum()) < 12 and len(set(hf.completion_lengths.tolist())) > 2
-    assert_same_rollout(fast, hf)
+    for fraction in (0.25, 0.05):  # the default; drop at (nearly) every finished row
+        monkeypatch.setattr(rollout, "_DROP_FRACTION", fraction)
+        assert_same_rollout(sample(model, prompts, monkeypatch, fast=True, **kw), hf)
+    assert len(kept) > 1 and kept[-1] < 12
+    monkeypatch.setattr(rollout, "_DROP_FRACTION", 2.0)  # never drop a row
+    dropped = len(kept)
+    assert_same_rollout(sample(model, prompts, monkeypatch, fast=True, **kw), hf)
+    assert len(kept) == dropped
 
 
 def test_generate_reads_the_weights_at_each_call(monkeypatch):

@@ -1,6 +1,6 @@
 """rl/loghead.py: log-probs from the hidden states with the head applied chunk by chunk equal the
 full-logits path (GPUFLEET_FUSED_LOGPROBS=0) in values and gradients, for tied and untied heads, Gemma2's
-soft-capping, LoRA (peft, head included) and under DDP; the head never sees more than a chunk of
+soft-capping, LoRA (peft, head included) and under DDP and FSDP2; the head never sees more than a chunk of
 positions, and the model is left as it was (same head module, same config)."""
 
 from __future__ import annotations
@@ -124,33 +124,47 @@ def test_no_grad_and_unsupported_class(monkeypatch):
     assert causal_lm(MyLM(model.config)) is None
 
 
-def _ddp_worker(rank: int, port: int, out: str) -> None:
+def _wrapped_worker(rank: int, port: int, out: str, wrapper: str) -> None:
     import os
 
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    model = DistributedDataParallel(perturbed("builtin:tiny-qwen2").train())
-    assert causal_lm(model) is model.module
+    model = perturbed("builtin:tiny-qwen2").train()
+    if wrapper == "ddp":
+        model = DistributedDataParallel(model)
+        assert causal_lm(model) is model.module
+    else:  # as parallel._shard: every decoder layer, then the root (embeddings, norm, head)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert causal_lm(model) is model
     ids, mask = batch()
     logp, _ = sequence_logprobs(model, ids[rank : rank + 2], mask[rank : rank + 2], 5)
     logp.sum().backward()
+    inner = model.module if wrapper == "ddp" else model
+    grads = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for n, p in inner.named_parameters()
+    }
     if rank == 0:
-        torch.save({n: p.grad for n, p in model.module.named_parameters()}, out)
+        torch.save(grads, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_ddp_gradient_is_the_mean_of_the_ranks(tmp_path):
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_wrapped_gradient_is_the_mean_of_the_ranks(wrapper, tmp_path):
     import torch.multiprocessing as mp
 
     from gpufleet.launch.torchrun import free_port
 
     out = tmp_path / "grads.pt"
-    mp.spawn(_ddp_worker, args=(free_port(), str(out)), nprocs=2)
+    mp.spawn(_wrapped_worker, args=(free_port(), str(out), wrapper), nprocs=2)
     ddp = torch.load(out)
     model = perturbed("builtin:tiny-qwen2").train()
     ids, mask = batch()

@@ -160,6 +160,7 @@ class FastDecoder:
         self.embed = inner.embed_tokens.weight
         self.norm = _Norm.of(inner.norm)
         self.lm_head = _Linear(model.lm_head)
+        self.vocab = model.lm_head.weight.shape[0]
         if fuse is None:
             names = (
                 "self_attn.q_proj",
@@ -351,6 +352,15 @@ class FastDecoder:
             x = self._mlp_block(layer, x)
         self.length = width
         return self._logits(x)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with the cached rows ``rows`` (indices, in this order) only: later steps take and give
+        those rows. A row's logits do not depend on the other rows (bitwise, tested), so dropping
+        finished rows changes nothing but the work."""
+        self.k_cache = [k[rows] for k in self.k_cache]
+        self.v_cache = [v[rows] for v in self.v_cache]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[rows]
 
     def step(self, token: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,) at ``position_ids`` (B,) or (B, 1); return next-token logits (B, V).

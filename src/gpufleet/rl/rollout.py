@@ -50,6 +50,9 @@ FUSED_ENV = "GPUFLEET_FUSED_LOGPROBS"
 """Set to 0 to take log-probs from the model's full logits even where ``loghead`` supports the model."""
 
 _OFF = ("0", "false", "no", "off")
+
+_DROP_FRACTION = 0.25
+"""The fast decoder drops finished rows once this share of the rows it runs are done (> 1: never)."""
 _CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
@@ -214,7 +217,7 @@ def _decode(
     forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        logits = suppress_logits(forward(t, step_input, positions), suppress_tokens)
+        logits = suppress_logits(forward(t, step_input, positions, done), suppress_tokens)
         if t < min_new_tokens:
             logits = suppress_logits(logits, (eos_token_id,))
         token = next_tokens(
@@ -248,18 +251,35 @@ def _decode(
 
 
 def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
-    """`forward(t, step_input, positions)`: the last logits of decode step t, through ``FastDecoder``
-    where it is exact, else through the HF forward with a cache (`mask`: the caller's live mask)."""
+    """`forward(t, step_input, positions, done)`: the last logits of decode step t, through ``FastDecoder``
+    where it is exact, else through the HF forward with a cache (`mask`: the caller's live mask).
+
+    The fast path stops computing rows that are ``done`` once ``_DROP_FRACTION`` of the rows it still
+    runs have finished (their logits are then 0: the caller discards them)."""
     from transformers import DynamicCache
 
     width = prompt.shape[1]
     decoder = _fast_decoder(model, width + max_new_tokens)
     if decoder is not None:  # the same rule as below: tokens after EOS go unmasked, their logits unused
+        rows = torch.arange(prompt.shape[0], device=prompt.device)  # the rows the decoder still runs
 
-        def fast(t: int, step_input: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def fast(
+            t: int, step_input: torch.Tensor, positions: torch.Tensor, done: torch.Tensor
+        ) -> torch.Tensor:
+            nonlocal rows
             if t == 0:
                 return decoder.prefill(prompt, prompt_mask, positions, max_new_tokens)
-            return decoder.step(step_input.squeeze(1), positions)
+            live = ~done[rows]
+            if int(live.sum()) <= (1 - _DROP_FRACTION) * len(rows):
+                keep = live.nonzero().squeeze(1)
+                decoder.keep(keep)
+                rows = rows[keep]
+            if len(rows) == prompt.shape[0]:
+                return decoder.step(step_input.squeeze(1), positions)
+            out = torch.zeros((prompt.shape[0], decoder.vocab), dtype=torch.float32, device=prompt.device)
+            if len(rows):  # none: every row is done, and the caller runs on (all_done of other ranks)
+                out[rows] = decoder.step(step_input.squeeze(1)[rows], positions.reshape(-1)[rows])
+            return out
 
         return fast
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
@@ -269,7 +289,7 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
     # each other), so every kept logit is the same; HF skips building and checking the mask.
     unpadded = bool(prompt_mask.all())
 
-    def hf(t: int, step_input: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hf(t: int, step_input: torch.Tensor, positions: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         return model(
             input_ids=step_input,
             attention_mask=None if unpadded else mask[:, : width + t],
