@@ -14,7 +14,8 @@ runs the same arithmetic over the model's own weights with less of that overhead
 * a decode step attends with ``F.scaled_dot_product_attention`` on the key/value heads directly, the
   query heads of a group folded into the query axis (HF's ``pack_gqa``);
 * the prefill skips pad tokens (per-token work runs on the real tokens, packed), and its last layer, the
-  final norm and the LM head run on the last position only.
+  final norm and the LM head run on the last position only;
+* ``keep`` drops finished rows from the cache, so later steps compute the live rows only.
 
 Matched against transformers 5.23 (``models/{llama,qwen2,qwen3,mistral}/modeling_*.py``, which share
 these pieces): ``*RMSNorm.forward`` (float32 math, ``weight * (x * rsqrt(mean(x**2) + eps))``),
@@ -356,9 +357,13 @@ class FastDecoder:
     def keep(self, rows: torch.Tensor) -> None:
         """Go on with the cached rows ``rows`` (indices, in this order) only: later steps take and give
         those rows. A row's logits do not depend on the other rows (bitwise, tested), so dropping
-        finished rows changes nothing but the work."""
-        self.k_cache = [k[rows] for k in self.k_cache]
-        self.v_cache = [v[rows] for v in self.v_cache]
+        finished rows changes nothing but the work. The kept rows move to the front of the same cache
+        tensors (one layer's kept rows are copied at a time): the cache never takes more memory."""
+        n = len(rows)
+        for caches in (self.k_cache, self.v_cache):
+            for i, cache in enumerate(caches):
+                cache[:n] = cache[rows]
+                caches[i] = cache[:n]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[rows]
 

@@ -14,7 +14,7 @@ stream per *row*:
   ~1e-7 of a CDF boundary.
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
-  row is done.
+  row is done. The fast path stops computing finished rows once a quarter of its rows are done.
 * The ``suppress_tokens`` (a pad that is not EOS; ``sampling.never_sampled``) have probability 0 in
   sampling, greedy included, and in ``sequence_logprobs``: one distribution for sampling and training.
   They are removed from the logits after the model, so both decode paths below remove them alike.
