@@ -30,6 +30,8 @@ ARGS = [
     "train.log_every=1",
     "--set",
     "reward.functions=repeat/chars,mp_rewards:length",
+    "--set",
+    "reward.weights=null",
 ]
 
 

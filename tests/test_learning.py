@@ -93,6 +93,8 @@ def test_reward_error_is_one_line_and_keeps_old_outputs(tmp_path):
         "--set",
         "reward.functions=badreward:score",
         "--set",
+        "reward.weights=null",
+        "--set",
         "train.max_steps=2",
         cwd=tmp_path,
         env_extra={"PYTHONPATH": str(tmp_path)},
@@ -131,6 +133,8 @@ def test_non_finite_loss_stops_cleanly_and_keeps_checkpoints(tmp_path):
         "train.per_device_batch=16",
         "--set",
         "reward.functions=repeat/chars,mp_rewards:length",
+        "--set",
+        "reward.weights=null",
         cwd=tmp_path,
     )
     assert p.returncode == 2, p.stdout + p.stderr

@@ -146,6 +146,7 @@ def test_two_processes_timings_per_rank_and_a_slow_rank_named(tmp_path):
         "train.max_steps=10",
         "output.save_every=0",
         "reward.functions=mp_rewards:slow_on_rank1",
+        "reward.weights=null",
         ranks=2,
     )
     for m in records:

@@ -24,6 +24,8 @@ BASE = [
     "--set",
     "reward.functions=repeat/chars,mp_rewards:length",
     "--set",
+    "reward.weights=null",
+    "--set",
     "output.save_every=0",
 ]
 

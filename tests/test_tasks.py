@@ -81,9 +81,9 @@ def test_repeat_letters_stopped_echo_by_hand():
     letters = builtin_reward("repeat/letters")(["k:"] * n, completions, target=target)
     assert letters == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 1.0])
     stopped = builtin_reward("repeat/stopped")(["k:"] * n, completions, target=target)
-    assert stopped == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert stopped == [1.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # x the letters
     echo = builtin_reward("repeat/echo")(["k:"] * n, completions, target=target)
-    assert echo == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert echo == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]  # x the letters
     assert builtin_reward("repeat/echo")(["k:"], ["k"], target=[""]) == [0.0]
 
 

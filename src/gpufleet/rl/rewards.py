@@ -16,6 +16,7 @@ import torch
 
 from gpufleet.config.schema import RewardSection
 from gpufleet.errors import UserError
+from gpufleet.text import plural
 from gpufleet.usercode import import_function
 from gpufleet.watchdog import Overdue, deadline, innermost_locals, where_stuck
 
@@ -95,9 +96,9 @@ class Rewards:
         weights = cfg.weights if cfg.weights is not None else [1.0] * len(self.fns)
         if len(weights) != len(self.fns):
             raise UserError(
-                f"{len(weights)} weights for {len(self.fns)} rewards.",
+                f"{plural(len(weights), 'weight')} for {plural(len(self.fns), 'reward')}.",
                 field="reward.weights",
-                fix=f"give {len(self.fns)} weights",
+                fix=f"give {plural(len(self.fns), 'weight')}",
             )
         self.env = env_weight is not None
         self.timeout = cfg.timeout

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet import datafile, datapath, usercode
+from gpufleet.text import plural
 from gpufleet.errors import UserError
 from gpufleet.models import info as modelinfo
 from gpufleet.models.info import looks_like_hub_id
@@ -98,8 +99,8 @@ def rewards_resolvable(ctx: Context):
     if rw.weights is not None and count and len(rw.weights) != count:
         yield err(
             [ctx.ref("reward.weights"), ctx.ref("reward.functions"), ctx.ref("reward.model")],
-            f"{len(rw.weights)} weights for {count} rewards.",
-            f"give {count} weights (one per function, then the model"
+            f"{plural(len(rw.weights), 'weight')} for {plural(count, 'reward')}.",
+            f"give {plural(count, 'weight')} (one per function, then the model"
             + ("; the env's is env.reward_weight" if env_job else "")
             + "), e.g. --set reward.weights="
             + ",".join(["1.0"] * count),

@@ -1,44 +1,39 @@
-"""Task ``repeat``: the prompt is a letter and a colon, the answer is that letter 8 times, then stop.
+"""Task ``repeat``: the prompt is a letter and a colon, the answer is that letter 8 times, then <eos>.
 
-    prompt "k:"  ->  completion "kkkkkkkk"
+    prompt "k:"  ->  completion "kkkkkkkk<eos>"
 
 The smallest task that still needs the prompt: a randomly initialised tiny Qwen2 scores about 0.01
-and learns it by RL alone (no warm start) in about 200 GRPO steps, under a minute on 2 CPU cores.
-The reward charges for extra characters, so with a budget longer than 8 the model must also stop;
-the suggested budget is exactly 8, so it never has to (see ``TASK.suggested``), and a model trained
-so does not end with <eos> (issue 17 item 8, still open).
+and learns it by RL alone (no warm start) in a few hundred GRPO steps, under a minute on 2 CPU cores.
 
-Teaching it to stop (issue 17 item 8). Greedy counts are of the 26 prompts a..z giving "xxxxxxxx<eos>"
-(HF ``generate`` on the exported model); "stops": ``completions/clipped_ratio`` 0; seed: train.seed.
+How the quickstart (``examples/quickstart.yaml``) teaches it to stop (issue 17 item 8): a budget of 9
+tokens, <eos> at probability 0 until 8 tokens are written (``rollout.min_completion_length`` 8, in
+sampling and in every log-prob, as Hugging Face's ``min_new_tokens``; saved into the exported
+generation_config), and ``letters`` + 0.3 ``stopped`` - 0.5 ``echo``, where ``stopped`` (ended right
+after 8) and ``echo`` (copied a 9th letter) are scaled by the letter score. Measured for train.seed
+0-4 (400 steps, dapo; "greedy": prompts a..z for which HF ``generate`` on the exported model writes
+exactly "xxxxxxxx<eos>"): ``letters``, mean of the last 20 steps, 0.996, 0.991, 0.993, 0.998, 0.996
+(the 20-step mean first >= 0.8 at step 252, 214, 189, 183, 187); clipped (no <eos>) 0.002, 0.027,
+0.002, 0.000, 0.041; greedy 26, 24, 26, 26, 25 of 26 (the misses: 9 of the letter, or no <eos>
+within 12 tokens).
 
-* <pad> (id 0) decodes to no text, so "kkkkkkkk<pad>" read as a stop; since rl/sampling.py it is never
-  sampled nor scored. Without a minimum length (budgets 9-16, rewards ``chars``, ``chars`` + ``stops``,
-  bonuses, gating, ``dr_grpo``, ``scale_rewards`` batch, beta 0.04): either the letters come first and
-  <eos> at position 9 dies (the copy learned for positions 2-8 carries over; a completion that stops
-  early pushes <eos> down at every position), or a letter-free stop signal wins first and the letters
-  collapse onto one letter. Best: budget 9, ``loss_type`` dapo, letters of the first 8 + 0.5 x stopped
-  - 0.5 x (9th repeats the letter): greedy 22/26, 21/26 (seeds 0, 1), 13/26 (seed 3); seeds 2 and 4
-  not by step 400.
-* With ``rollout.min_completion_length`` 8 (<eos> at probability 0 before 8 tokens in sampling and in
-  every log-prob, as HF's ``min_new_tokens``), budget 9, dapo, 400 steps, the stop is solved: early
-  stoppers no longer exist, so nothing pushes <eos> down. ``chars`` alone: clipped 0.57, greedy 12/26
-  (seed 0; the letters come first, <eos> at 9 is lost prompt by prompt). ``letters`` + 0.5 ``stopped``
-  - 0.5 ``echo``: stops by step 60 on all 5 seeds (clipped 0.00-0.02 at 400), but the strong stop
-  signal, paid whatever the letters, then slows them and partly collapses them (several prompts share
-  a letter): ``letters`` 0.86, 0.22, 0.91, 0.80, 0.56 at step 400, greedy 23, 7, 24, 21, 17 of 26
-  (seeds 0-4). Seed 0, worse: without ``echo`` (0.83), stop x letters (clipped 0.36), cosine lr (0.18),
-  ``dr_grpo`` (0.06, one letter for all); 600 steps on seed 1 without ``echo``: 0.81-0.93.
-* Best: the same with a stop weight of 0.1, ``letters`` + 0.1 ``stopped`` - 0.5 ``echo``
-  (``examples/quickstart-eos.yaml``): it still stops by step 60, and the letters suffer less. Seeds
-  0-4 at step 400 (mean of the last 20 steps): ``letters`` 1.00, 0.85, 0.91, 0.96, 0.78; clipped
-  0.00, 0.01, 0.00, 0.01, 0.03; greedy 26, 24, 25, 23, 22 of 26 (the misses: another letter, or 7
-  or 9 of it, then <eos>). Greedy counts are with ``min_new_tokens`` 8, which the exported
-  ``generation_config.json`` carries; forced to 0, many prompts stop at once (seed 1: 16 misses,
-  mostly a bare <eos>), as <eos> before 8 is never trained. 3-4 min a run here (~1 s/step on a loaded 2-core machine).
+What did not work, and why the scaling matters (same budget and minimum length unless said):
 
-Every seed stops and 5 in 5 exports give >= 22/26, but the letters reach 0.95 by step 400 on 2 seeds
-in 5 only, so the quickstart keeps the budget of 8 (no stop). Next to try: more steps (seed 1 was
-still rising at 400), a curriculum on the stop weight, an entropy bonus, a larger model or batch.
+* Budget 8 (the earlier quickstart): learns the letters on every seed (>= 0.99 by step 400 for
+  seeds 0-7) but never stops: the exported model writes "kkkkkkkk" and goes on.
+* Without a minimum length (budgets 9-16, ``chars``, ``chars`` + ``stops``, bonuses, ``dr_grpo``,
+  ``scale_rewards`` batch, beta 0.04): either the letters come first and <eos> at position 9 dies (a
+  completion that stops early pushes <eos> down at every position), or a letter-free stop signal wins
+  first and the letters collapse onto one letter.
+* Unscaled stop rewards (``letters`` + 0.1 or 0.5 x "ended after 8" - 0.5 x "9th is the letter"):
+  the stop is learned by step 60, but in groups whose letters are all wrong the stop is the only
+  difference, and the group's standard deviation scales it to a full advantage: the letters the
+  stopping completions happened to write are reinforced, entropy falls before the copy is learned,
+  and several prompts collapse onto one letter. ``letters`` at step 400 over seeds 0-4: 0.52-1.0
+  (greedy 17-25 of 26). ``scale_rewards: none`` (no scaling) made it worse: every prompt -> "nnnnnnnn".
+* Stop rewards paid only when all 8 letters are right: the letters are learned fastest (0.8 by
+  step 149, seed 1), but the first stops come only at step ~220 and 400 steps are too few (clipped
+  0.26, greedy 16 of 26). Scaling by the letter score instead starts the stop signal as the letters
+  grow and leaves random letters nothing to reinforce.
 """
 
 from __future__ import annotations
@@ -83,29 +78,37 @@ def length_score(length: int, n: int) -> float:
     return max(0.0, 1.0 - (2 * over if over > 0 else -over) / n)
 
 
+def letter_score(text: str, target: str) -> float:
+    """Right characters among the first len(target), over len(target)."""
+    return sum(a == b for a, b in zip(text, target, strict=False)) / max(len(target), 1)
+
+
 def letters(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
     """Right characters among the first len(target), over len(target); what follows does not count."""
     targets = column(columns, "target", len(completions), "repeat/letters")
-    return [
-        sum(a == b for a, b in zip(as_text(c), str(t), strict=False)) / max(len(str(t)), 1)
-        for c, t in zip(completions, targets, strict=True)
-    ]
+    return [letter_score(as_text(c), str(t)) for c, t in zip(completions, targets, strict=True)]
 
 
 def stopped(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
-    """1.0 when the completion is exactly as long as the target (it ended right after it), else 0.0."""
+    """The letter score when the completion ended right after len(target) characters, else 0.0: a stop
+    is paid only as far as the letters before it are right, so stopping alone earns nothing."""
     targets = column(columns, "target", len(completions), "repeat/stopped")
-    return [float(len(as_text(c)) == len(str(t))) for c, t in zip(completions, targets, strict=True)]
+    out: list[float | None] = []
+    for c, t in zip(completions, targets, strict=True):
+        text, target = as_text(c), str(t)
+        out.append(letter_score(text, target) * float(len(text) == len(target)))
+    return out
 
 
 def echo(prompts: list[str], completions: list[Any], **columns: Any) -> list[float | None]:
-    """1.0 when the character after the target's length repeats the target's first (the letter copied
-    on instead of stopping), else 0.0: a penalty, with a negative weight."""
+    """The letter score when the character after the target's length repeats the target's first (the
+    letter copied on instead of stopping), else 0.0: a penalty, with a negative weight."""
     targets = column(columns, "target", len(completions), "repeat/echo")
     out: list[float | None] = []
     for c, t in zip(completions, targets, strict=True):
         text, target = as_text(c), str(t)
-        out.append(float(bool(target) and len(text) > len(target) and text[len(target)] == target[0]))
+        copied = bool(target) and len(text) > len(target) and text[len(target)] == target[0]
+        out.append(letter_score(text, target) * float(copied))
     return out
 
 
@@ -117,7 +120,7 @@ def exact(prompts: list[str], completions: list[Any], **columns: Any) -> list[fl
 
 TASK = Task(
     name="repeat",
-    description="prompt 'k:' -> 'kkkkkkkk' then stop; dense per-character reward",
+    description="prompt 'k:' -> 'kkkkkkkk' then <eos>; rewards for the letters and for stopping",
     make_example=make_example,
     reward_functions={
         "chars": chars,
@@ -132,12 +135,14 @@ TASK = Task(
     # cores with torch.set_num_threads(1): mean reward 0.007-0.015 at step 0; 20-step average >= 0.8
     # after 150-212 steps (7-11 s) and >= 0.99 by step 400 (~21 s), for seeds 0-7. Also >= 0.8 within
     # 233 steps with model.generate (top_k 50), untied embeddings, or AdamW defaults (wd 0.01, b2 0.999).
-    # max_completion_length is the answer length on purpose: with a budget of 10 the model must also
-    # discover <eos> at position 8, and the reward sat at 0.8 (8 right of 10) for 1500+ steps.
+    # (That was with a budget of exactly 8 and ``chars``; the quickstart's stop recipe is in the docstring.)
     suggested={
         "num_generations": 8,
         "per_device_batch": 128,  # completions per optimizer step on one device: 16 prompts x 8
-        "max_completion_length": LENGTH,
+        "max_completion_length": LENGTH + 1,  # the letters, then <eos>
+        "min_completion_length": LENGTH,
+        "reward_functions": ["repeat/letters", "repeat/stopped", "repeat/echo"],
+        "reward_weights": [1.0, 0.3, -0.5],
         "learning_rate": 3e-3,
         "temperature": 1.0,
         "max_steps": 400,
