@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet import datafile, datapath, usercode
-from gpufleet.text import plural
 from gpufleet.errors import UserError
 from gpufleet.models import info as modelinfo
 from gpufleet.models.info import looks_like_hub_id
 from gpufleet.rules.registry import Context, err, rule, warn
+from gpufleet.text import plural
 
 DATA_EXTENSIONS = datafile.FORMATS
 
