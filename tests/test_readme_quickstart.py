@@ -53,15 +53,23 @@ def test_the_quickstart_does_what_the_readme_says(tmp_path):
         assert p.returncode == 0, f"{command}\n{p.stdout}\n{p.stderr}"
         assert "Traceback" not in p.stdout + p.stderr
     one, two = tmp_path / "runs" / "quickstart", tmp_path / "runs" / "quickstart-2p"
-    assert last(one / "metrics.jsonl")["reward"] >= 0.9  # "the mean reward goes from about 0.01 to 1.0"
-    assert last(two / "metrics.jsonl")["reward"] >= 0.9
+    for run_dir in (one, two):  # "the mean reward goes from about 0.01 to 1.3"
+        assert last(run_dir / "metrics.jsonl")["reward"] >= 1.2
+        assert last(run_dir / "metrics.jsonl")["rewards/repeat_letters/mean"] >= 0.9
     assert (one / "logs" / "rank0.log").is_file() and (two / "logs" / "rank1.log").is_file()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = tmp_path / "runs" / "quickstart-model"
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tok("k:", return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=10, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert text.startswith("kkkkkkkk"), text  # the README: writes the letter 8 times, then does not stop
+    # The README's Python snippet, run as written on the exported model: each prompt's letter 8 times,
+    # then <eos> ("k: 'kkkkkkkk<eos>' 9 tokens"); greedy, 25 of 26 prompts on this machine's run.
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    p = subprocess.run(
+        [str(Path(console_script()).parent / "python"), "-c", snippet],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    lines = [x for x in p.stdout.splitlines() if x.endswith("tokens")]
+    assert len(lines) == 3
+    right = [x for x in lines if re.fullmatch(r"(\w): '\1{8}<eos>' 9 tokens", x)]
+    assert len(right) >= 2, lines
