@@ -26,7 +26,8 @@ TEMPERATURE = 1.0
 @dataclass(frozen=True)
 class Preset:
     """Settings shared by both trainers. `speed`: the issue's measurement at tiny size; `small`: the same at
-    3.2M parameters with a reference model; `learn`: examples/quickstart.yaml."""
+    3.2M parameters with a reference model; `learn`: the quickstart's task at its
+    first settings (budget 8, `repeat/chars`; examples/quickstart.yaml now also teaches <eos>)."""
 
     name: str
     batch: int  # completions per optimizer step (prompts x generations)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/vs_trl.py                       # preset speed: 40 steps x seeds 42,43,44, 1 torch thread
     .venv/bin/python bench/vs_trl.py --steps 20 --seeds 0 --lr 3e-3 --threads 2
-    .venv/bin/python bench/vs_trl.py --preset learn        # 200 steps at the quickstart's settings; both learn
+    .venv/bin/python bench/vs_trl.py --preset learn        # 200 steps at the quickstart's first settings; both learn
 
 TRL is not a dependency of gpufleet. The first run creates `.bench-venv/` at the repository root (once,
 reused afterwards) with `torch==2.13.0 trl==1.16.0 accelerate==1.15.0` and gpufleet's own dependencies
@@ -27,7 +27,7 @@ time. `--src DIR` benchmarks another gpufleet source tree (e.g. `git archive HEA
 
 Presets (`--preset`): `speed` (the default) is the issue's speed measurement: 8 completions per step
 (2 prompts x 4 generations), 32 completion tokens, 40 steps; at that batch neither trainer learns
-`repeat`. `learn` is examples/quickstart.yaml: 128 completions per step (16 prompts x 8 generations),
+`repeat`. `learn` is the quickstart's first settings (budget 8, `repeat/chars`): 128 completions per step (16 prompts x 8 generations),
 8 completion tokens, lr 3e-3, 200 steps (`--steps` changes it); both trainers learn, and the summary
 adds a per-seed comparison of the learning curves: the area under the curve (mean reward over all
 steps), the first step whose 10-step moving average reaches 0.8, and the difference of the AUCs with
@@ -139,7 +139,7 @@ def parse_args() -> argparse.Namespace:
         default="speed",
         help="shared settings: speed (default; tiny-qwen2, 8 completions/step, 32 tokens, 40 steps), small "
         "(a 3.2M-parameter Qwen2, 16 completions/step, G 8, 64 tokens, beta 0.04, 20 steps) or learn "
-        "(examples/quickstart.yaml: 16 prompts x 8 generations, 8 tokens, 200 steps)",
+        "(the quickstart's first settings: 16 prompts x 8 generations, 8 tokens, 200 steps)",
     )
     ap.add_argument(
         "--steps",
