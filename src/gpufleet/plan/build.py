@@ -4,7 +4,7 @@
 
 Each policy rank holds the policy (a full replica with DDP, a 1/N shard with FSDP), its rollout (KV
 cache), its training activations, and every role that is colocated (the reference model when beta > 0,
-the reward model when set); each dedicated scorer rank holds the roles placed on its device. `other`
+the reward model when set; under FSDP both are sharded like the policy); each dedicated scorer rank holds the roles placed on its device. `other`
 is the framework overhead per process (`overhead.py`), the generation batch's tensors and, with FSDP,
 the all-gathered root module plus two layers (current and prefetched) and one layer's unsharded
 gradient. No torch import.
@@ -126,6 +126,8 @@ class Parts:
     """AdamW's temporaries on the GPU (0 on the CPU, where nothing is preallocated)."""
     ref_gather: int = 0
     """A sharded reference (FSDP): its root unit and two layers gathered while it scores."""
+    rm_gather: int = 0
+    """A sharded reward model (FSDP, colocated): its root unit and two layers gathered while it scores."""
     host_state: int = 0
     """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
 
@@ -171,7 +173,8 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
     copies = fast_decode_copies(pol.arch, run, wrapped=fsdp)
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
-    rm_weights, rm_work = _reward_model_parts(models, rows, P + T)
+    rm_shards = lay.shards if fsdp and lay.reward_model == "colocate" else 1
+    rm_weights, rm_work, rm_gather = _reward_model_parts(job, models, rows, P + T, rm_shards)
     gathered = run.compute_bytes if mixed else prec.weight_bytes
     units = pol.params.root + 3 * pol.params.per_layer  # FSDP: root + current and prefetched layer + grads
     # A sharded reference's no-grad forward: its root unit and two layers gathered (released after).
@@ -195,6 +198,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         else 0,
         rm_weights=rm_weights,
         rm_work=rm_work,
+        rm_gather=rm_gather,
         batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
         gather=units * gathered + staging if fsdp else 0,
         host_state=host_state,
@@ -203,19 +207,18 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     )
 
 
-def _reward_model_parts(models: Models, rows: int, tokens: int) -> tuple[int, int]:
-    """(weights, one forward's working set) of the reward model, in its checkpoint's dtype."""
+def _reward_model_parts(job, models: Models, rows: int, tokens: int, shards: int) -> tuple[int, int, int]:
+    """(weights, one forward's working set, gathered units) of the reward model, frozen in the compute
+    dtype (config/precision.py `reward_model_dtype`). `shards` > 1 (FSDP, colocated): 1/N of its weights
+    per policy rank, and its root unit and two layers gathered while it scores, as the reference."""
     rm = models.reward
     if rm is None:
-        return 0, 0
-    dtype = (
-        rm.arch.checkpoint_dtype
-        if rm.arch.checkpoint_dtype in ("float32", "bfloat16", "float16")
-        else "float32"
-    )
+        return 0, 0, 0
+    dtype = precision.reward_model_dtype(job)
     prec = Precision(dtype, dtype)
     work = reward_model_bytes(rm.arch, prec, batch=min(REWARD_MODEL_BATCH, rows), tokens=tokens)
-    return rm.params.total * prec.weight_bytes, work
+    gather = (rm.params.root + 2 * rm.params.per_layer) * prec.weight_bytes if shards > 1 else 0
+    return math.ceil(rm.params.total / shards) * prec.weight_bytes, work + gather, gather
 
 
 def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
@@ -249,6 +252,7 @@ def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
     if lay.reward_model == "colocate":
         weights += parts.rm_weights
         detail["reward_model_weights"] = parts.rm_weights
+        detail["reward_model_gathered"] = parts.rm_gather
         scoring = max(scoring, parts.rm_work)
         role += " + reward model"
     phases = {
