@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gpufleet.config import precision
 from gpufleet.config.load import Resolved
 from gpufleet.hardware import Hardware
+from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
     REWARD_MODEL_BATCH,
     fast_decode_copies,
@@ -35,7 +36,7 @@ from gpufleet.plan.memory import (
     training_precision,
     with_adapter,
 )
-from gpufleet.plan.overhead import HOST_OVERHEAD, overhead_bytes
+from gpufleet.plan.overhead import overhead_bytes
 from gpufleet.plan.shape import Models
 from gpufleet.topology import Topology
 
@@ -130,6 +131,8 @@ class Parts:
     """A sharded reward model (FSDP, colocated): its root unit and two layers gathered while it scores."""
     host_state: int = 0
     """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
+    whole: Whole = Whole(0)
+    """The models whole in their load dtypes: what a process briefly holds in host RAM while loading."""
 
 
 def _activations(job, pol, run: Precision, sizes: dict) -> Activations:
@@ -162,6 +165,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         adapter=adapter_parameters(job, pol.arch),
     )
     host_state = 0
+    whole = _whole(job, models, prec, state["weights"] if lay.offload else 0)
     if lay.offload:  # CPUOffloadPolicy: the sharded state and the optimizer step live in host memory
         host_state = state["weights"] + state["grads"] + state["optimizer"] + state["optimizer_step"]
         state = {**{k: 0 for k in state}, "ddp_buckets": 0}
@@ -202,6 +206,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
         gather=units * gathered + staging if fsdp else 0,
         host_state=host_state,
+        whole=whole,
         overhead=overhead_bytes(env, gpu=not hw.is_cpu),
         optimizer_step=0 if hw.is_cpu else state["optimizer_step"],
     )
@@ -219,6 +224,21 @@ def _reward_model_parts(job, models: Models, rows: int, tokens: int, shards: int
     work = reward_model_bytes(rm.arch, prec, batch=min(REWARD_MODEL_BATCH, rows), tokens=tokens)
     gather = (rm.params.root + 2 * rm.params.per_layer) * prec.weight_bytes if shards > 1 else 0
     return math.ceil(rm.params.total / shards) * prec.weight_bytes, work + gather, gather
+
+
+def _whole(job, models: Models, prec: Precision, resident: int) -> Whole:
+    """What loading converts whole on the CPU per process (plan/host.py): the policy in its weights'
+    dtype, the reference and the reward model in the compute dtype; `resident`: offloaded shards."""
+    pol, rm = models.policy, models.reward
+    ckpt = pol.arch.checkpoint_dtype
+    return Whole(
+        policy=converted_bytes(pol.params.total, prec.weights, ckpt),
+        reference=converted_bytes(pol.params.total, precision.reference_dtype(job), ckpt),
+        reward_model=0
+        if rm is None
+        else converted_bytes(rm.params.total, precision.reward_model_dtype(job), rm.arch.checkpoint_dtype),
+        resident=resident,
+    )
 
 
 def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
@@ -339,18 +359,11 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         reference=lay.reference,
         reward_model=lay.reward_model,
         devices=_devices(hw, per_device),
-        host=None if hw.is_cpu else _host(hw, topo, parts, lay),
+        host=None if hw.is_cpu else _host(hw, topo, parts, lay, roles_in_use(r)),
     )
 
 
-def _host(hw: Hardware, topo: Topology, parts: Parts, lay: Layout) -> HostLoad:
-    """Host RAM of one node: the state its policy ranks offload, and HOST_OVERHEAD per process."""
-    procs = topo.nproc_per_node
-    return HostLoad(
-        capacity=hw.ram_bytes,
-        source=hw.ram_source,
-        offloaded=len(topo.policy_devices) * parts.host_state,
-        overhead=procs * HOST_OVERHEAD,
-        processes=procs,
-        checked=lay.offload,
-    )
+def _host(hw: Hardware, topo: Topology, parts: Parts, lay: Layout, used: Mapping[str, bool]) -> HostLoad:
+    """Host RAM of one node (plan/host.py): offloaded state, the loading peak, overhead per process."""
+    colocated = {"reference": lay.reference == "colocate", "reward": lay.reward_model == "colocate"}
+    return host_load(hw, topo, parts.host_state, parts.whole, colocated, used)
