@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from gpufleet.launch.torchrun import free_port
 from gpufleet.rl.rewards import RewardModel
+from helpers import gloo_done, gloo_rank
 from mp_rewards import tiny_reward_model
 
 PROMPTS = [f"{i} + {i + 1} =" for i in range(20)]
@@ -22,15 +22,7 @@ HALF = len(PROMPTS) // 2  # rank r scores rows [r*HALF, (r+1)*HALF): 2 batches o
 
 
 def _worker(rank: int, port: int, folder: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    import torch.distributed as dist
-
-    from gpufleet import dist as gdist
-    from gpufleet.topology import Topology
-
-    rt = gdist.init(Topology(1, (0, 1), (), cpu=True), cpu=True, timeout_s=120)
+    rt = gloo_rank(rank, port)
     rows = slice(rank * HALF, (rank + 1) * HALF)
     result = {}
     for dtype in ("float32", "bfloat16"):
@@ -45,8 +37,7 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
         }
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    gloo_done()
 
 
 @pytest.mark.slow
