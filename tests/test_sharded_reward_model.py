@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gpufleet.launch.torchrun import free_port
 from gpufleet.rl.rewards import RewardModel
 from helpers import gloo_done, gloo_rank
 from mp_rewards import tiny_reward_model
+from test_plan_measure import storage_bytes
 
 PROMPTS = [f"{i} + {i + 1} =" for i in range(20)]
 COMPLETIONS = [" " + "x" * (1 + i % 7) for i in range(20)]
@@ -33,6 +35,7 @@ def _worker(rank: int, port: int, folder: str, out: str) -> None:
             "dtypes": sorted({str(p.dtype) for p in params}),
             "grad": any(p.requires_grad for p in params),
             "local": sum(p.to_local().numel() for p in params),
+            "local_bytes": storage_bytes(p.to_local() for p in params),
             "sharded": all(hasattr(p, "to_local") for p in params),
         }
     with open(f"{out}.{rank}", "w") as f:
@@ -56,6 +59,28 @@ def test_sharded_reward_model_scores_as_one_process(tmp_path):
             assert got["scores"] == pytest.approx(want, abs=tol, rel=tol), (dtype, rank)
             assert got["dtypes"] == [f"torch.{dtype}"] and not got["grad"] and got["sharded"]
             assert got["local"] <= total // 2 + 64  # 1/2 of the weights (dim-0 shards, rounded up)
+            planned = _planned_weights(folder, dtype)  # what gpufleet plan counts per rank
+            assert abs(got["local_bytes"] / planned - 1) <= 0.01, (dtype, rank, got["local_bytes"], planned)
+
+
+def _planned_weights(folder: str, dtype: str) -> int:
+    """The planner's per-rank bytes of this reward model sharded over 2 FSDP ranks (plan/build.py)."""
+    from gpufleet.config.schema import Job
+    from gpufleet.plan.build import reward_model_parts
+    from gpufleet.plan.shape import Models, ModelSpec, arch_from_config, count_parameters
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    arch = arch_from_config(raw)
+    spec = ModelSpec(folder, "local", arch, count_parameters(arch, "classifier"))
+    precision = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    job = Job.model_validate(
+        {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "train": {"precision": precision},
+            "reward": {"model": folder},
+        }
+    )
+    return reward_model_parts(job, Models(spec, spec), rows=16, tokens=32, shards=2)[0]
 
 
 def test_reward_model_in_the_compute_dtype(tmp_path):

@@ -178,7 +178,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     copies = fast_decode_copies(pol.arch, run, wrapped=fsdp)
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
     rm_shards = lay.shards if fsdp and lay.reward_model == "colocate" else 1
-    rm_weights, rm_work, rm_gather = _reward_model_parts(job, models, rows, P + T, rm_shards)
+    rm_weights, rm_work, rm_gather = reward_model_parts(job, models, rows, P + T, rm_shards)
     gathered = run.compute_bytes if mixed else prec.weight_bytes
     units = pol.params.root + 3 * pol.params.per_layer  # FSDP: root + current and prefetched layer + grads
     # A sharded reference's no-grad forward: its root unit and two layers gathered (released after).
@@ -212,7 +212,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     )
 
 
-def _reward_model_parts(job, models: Models, rows: int, tokens: int, shards: int) -> tuple[int, int, int]:
+def reward_model_parts(job, models: Models, rows: int, tokens: int, shards: int) -> tuple[int, int, int]:
     """(weights, one forward's working set, gathered units) of the reward model, frozen in the compute
     dtype (config/precision.py `reward_model_dtype`). `shards` > 1 (FSDP, colocated): 1/N of its weights
     per policy rank, and its root unit and two layers gathered while it scores, as the reference."""

@@ -174,7 +174,8 @@ def _call_checked(fn, label: str, prompts, completions, cols, timeout: float | N
             fix="return a float or None per completion instead of exiting",
         ) from None
     except Exception as e:  # user code: find the first sample it fails on, then report it in one line
-        i = _first_failing(fn, prompts, completions, cols, timeout)
+        # (not a reward model: sharded, it may only run as often as on the other ranks)
+        i = None if isinstance(fn, RewardModel) else _first_failing(fn, prompts, completions, cols, timeout)
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
         raise UserError(
             f"reward function {label} raised {type(e).__name__}: {e}{where}.",
