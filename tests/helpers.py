@@ -74,3 +74,29 @@ def run_user(*args: str, cwd, env_extra=None, timeout: int = 300):
 def sets(*values: str) -> list[str]:
     """`--set a=1 --set b=2` for the given `a=1`, `b=2`."""
     return [x for v in values for x in ("--set", v)]
+
+
+def gloo_rank(rank: int, port: int, world: int = 2):
+    """Rank `rank` of a `world`-process gloo group on this machine (a torch.multiprocessing.spawn worker),
+    set up by gpufleet's own init: its Runtime (one node, every rank a policy rank on the CPU)."""
+    import os
+
+    from gpufleet import dist as gdist
+    from gpufleet.topology import Topology
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return gdist.init(Topology(1, tuple(range(world)), (), cpu=True), cpu=True, timeout_s=120)
+
+
+def gloo_done() -> None:
+    """A spawn worker's clean exit (DESIGN.md: barrier, then destroy the group)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

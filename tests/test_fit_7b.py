@@ -105,6 +105,47 @@ def test_offload_plan_puts_the_sharded_state_in_host_ram(capsys):
     assert code == 2 and not data["plan"]["host"]["fits"]  # 154 GiB do not go into 128
 
 
+def test_loading_the_models_is_counted_in_host_ram(capsys):
+    """Every process builds its models whole on the CPU before it moves or shards them (plan/host.py): in
+    the checkpoint's dtype that is the mapped file (not counted), in another every parameter converted.
+    A bf16 LoRA base of the bf16 7B: nothing; its fp32 full fine-tuning under FSDP + offload: 4 bytes x n
+    per rank, less than what offload keeps there; the 0.5B in fp32 on 4 DDP ranks: 4 x 4 bytes x n,
+    refused (naming the loading and the fix) when the host cannot hold it with 10% free."""
+    lora = [
+        "--set",
+        "model.use_peft=true",
+        "--set",
+        "placement.strategy=fsdp",
+        "--set",
+        "train.precision=bf16",
+    ]
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB,host=256GB", *lora)
+    assert code == 0 and data["plan"]["host"]["loading_bytes"] == 0
+    full = [
+        "--set",
+        "placement.strategy=fsdp",
+        "--set",
+        "placement.offload=params",
+        "--set",
+        "train.precision=bf16",
+    ]
+    code, data = _plan_json(capsys, *JOB_7B, "--gpus", "4x24GB,host=256GB", *full)
+    host, n = data["plan"]["host"], data["plan"]["model"]["parameters"]
+    assert host["loading_bytes"] == 4 * 4 * n < host["offloaded_bytes"]  # offload is the larger: it counts
+    small = [str(ROOT / "examples" / "gsm8k-qwen05b.yaml"), "--set", "placement.strategy=ddp"]
+    code, data = _plan_json(capsys, *small, "--gpus", "4x24GB,host=64GB")
+    host, n = data["plan"]["host"], data["plan"]["model"]["parameters"]
+    assert code == 0 and host["loading_bytes"] == 4 * 4 * n and host["offloaded_bytes"] == 0
+    assert host["total_bytes"] == 4 * 4 * n + 4 * 3 * GiB
+    tight = math.ceil(host["total_bytes"] / GiB) - 1
+    code, out = run_cli(capsys, ["plan", *small, "--gpus", f"4x24GB,host={tight}GB"])
+    assert code == 2 and "does not fit: the host RAM of each node needs" in out, out
+    assert "for loading the models (each process converts its model whole" in out, out
+    code, out = run_cli(capsys, ["check", *small, "--gpus", f"4x24GB,host={tight}GB"])
+    assert code == 2 and "loading the models takes 7.36 GiB of each node's host RAM: 4 processes" in out, out
+    assert "fewer processes per node (launch.nproc_per_node)" in out
+
+
 @pytest.mark.parametrize(
     "gpus, sets, says",
     [

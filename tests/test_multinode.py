@@ -52,6 +52,14 @@ def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
     assert "node 1" in (two / "logs" / "rank1.log").read_text()
     assert_moved(two)
     assert_same_weights(one, two)
+    # each node's sampler wrote its own devices file; watch shows both nodes' ranks (issue 11)
+    assert (two / "devices.jsonl").exists() and (two / "devices.node1.jsonl").exists()
+    from helpers import run_user
+
+    p = run_user("watch", str(two), "--once", cwd=tmp_path, env_extra={"COLUMNS": "160"})
+    assert p.returncode == 0 and "node0:rank0 policy" in p.stdout and "node1:rank1 policy" in p.stdout, (
+        p.stdout
+    )
 
 
 def test_node_that_never_arrives_stops_the_other(tmp_path):

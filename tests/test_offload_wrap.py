@@ -5,28 +5,21 @@ offloaded DTensors, not the GPU memory it saves (that is the planner's, tests/te
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from gpufleet.launch.torchrun import free_port
+from helpers import gloo_done, gloo_rank
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from gpufleet import dist as gdist
     from gpufleet.models import load_causal_lm
     from gpufleet.parallel import full_state_dict, wrap_policy
-    from gpufleet.topology import Topology
 
-    rt = gdist.init(Topology(1, (0, 1), (), cpu=True), cpu=True, timeout_s=120)
+    rt = gloo_rank(rank, port)
     result = {}
     for offload in ("none", "params"):
         torch.manual_seed(0)
@@ -45,8 +38,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         result[offload] = full_state_dict(model, rt)
     if rank == 0:
         torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    gloo_done()
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from gpufleet.plan.memory import Precision, train_activations, train_state_bytes
 from gpufleet.plan.shape import arch_from_config, count_parameters
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.rollout import sequence_logprobs
+from helpers import gloo_done, gloo_rank
 from test_plan_measure import SHAPES, batch, build, storage_bytes
 
 RAW = SHAPES["qwen2 (GQA 4/2, tied, q/k/v bias)"]
@@ -63,16 +63,9 @@ def _local(tensors):
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    import torch.distributed as dist
-
-    from gpufleet import dist as gdist
     from gpufleet.parallel import release, shard_frozen, wrap_policy
-    from gpufleet.topology import Topology
 
-    rt = gdist.init(Topology(1, (0, 1), (), cpu=True), cpu=True, timeout_s=120)
+    rt = gloo_rank(rank, port)
     model = wrap_policy(build(RAW), "fsdp", rt, torch.bfloat16)  # fp32 shards, bf16 compute
     opt, _ = build_optimizer(model.parameters(), TrainSection())
     ids, mask = batch(RAW["vocab_size"], PROMPT, COMPLETION)
@@ -92,8 +85,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     }
     with open(f"{out}.{rank}", "w") as f:
         json.dump(measured, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    gloo_done()
 
 
 @pytest.mark.slow

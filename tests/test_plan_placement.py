@@ -4,6 +4,7 @@ fixes that work when re-planned, auto vs explicit placements, largest-that-fits,
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -341,9 +342,29 @@ def test_reward_model_is_sized_where_it_is_placed(tmp_path, capsys):
     devices = {d["device"]: d for d in json.loads(out)["plan"]["devices"]}
     assert code == 0
     assert devices["2"]["roles"] == ["scorer: reward model"]
-    # the table model's checkpoint is bf16 (from_pretrained's dtype="auto"): 2 bytes per parameter;
+    # in the compute dtype (an fp32 run: 4 bytes per parameter, whatever the checkpoint's bf16);
     # a one-label score head (896 weights) instead of the tied LM head
-    assert devices["2"]["components_bytes"]["weights"] == 2 * (494_032_768 + 896)
+    assert devices["2"]["components_bytes"]["weights"] == 4 * (494_032_768 + 896)
+
+
+def test_colocated_reward_model_is_sharded_in_the_compute_dtype(tmp_path, capsys):
+    """FSDP over 4 ranks, bf16: the colocated reward model costs 1/4 of its bf16 weights per rank,
+    plus its root unit and two layers gathered while it scores (as the reference)."""
+    job = write_job(
+        tmp_path,
+        model={"path": "Qwen/Qwen2.5-0.5B-Instruct"},
+        reward={"model": "Qwen/Qwen2.5-0.5B-Instruct"},
+        placement={"strategy": "fsdp", "reward": "colocate"},
+        train={"micro_batch": 2, "precision": "bf16"},
+    )
+    code, out = run_plan(capsys, job, "4x24GB", fmt="json")
+    d = json.loads(out)["plan"]["devices"][0]["processes"][0]
+    assert code == 0 and "reward model" in d["role"]
+    n = 494_032_768 + 896  # 24 layers; root: embeddings 151936 x 896, final norm, score head
+    root = 151936 * 896 + 896 + 896
+    layer = (n - root) // 24
+    assert d["detail"]["reward_model_weights"] == 2 * math.ceil(n / 4)
+    assert d["detail"]["reward_model_gathered"] == 2 * (root + 2 * layer)
 
 
 def test_bad_format_and_overhead_setting(capsys):

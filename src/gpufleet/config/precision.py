@@ -9,6 +9,7 @@ the planner (plan/build.py). No torch here.
                        gradients reduced in float32, fp32 sharded master weights), no autocast;
                        otherwise autocast around the forward
     reference          no gradients, no optimizer: loaded in the compute dtype (model.dtype if set)
+    reward model       no gradients, no optimizer: loaded in the compute dtype (whatever its checkpoint's)
 """
 
 from __future__ import annotations
@@ -42,3 +43,9 @@ def fsdp_mixed(job, policy_ranks: int) -> bool:
 def reference_dtype(job) -> str:
     """The frozen reference model's dtype: model.dtype if set, else the compute dtype."""
     return job.model.dtype if job.model.dtype != "auto" else compute_dtype(job)
+
+
+def reward_model_dtype(job) -> str:
+    """The frozen reward model's dtype: the compute dtype, whatever dtype its checkpoint was saved in (a
+    bf16 run never holds an fp32 copy of it; an fp32 run scores in fp32)."""
+    return compute_dtype(job)

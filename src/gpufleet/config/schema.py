@@ -195,7 +195,8 @@ class PlacementSection(Section):
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """Policy parallelism: DistributedDataParallel (a full replica per rank) or FSDP2 (sharded). Under
-    FSDP over several ranks a colocated reference model is sharded the same way (1/N per rank)."""
+    FSDP over several ranks a colocated reference model and reward model are sharded the same way (1/N
+    per rank)."""
 
     offload: Literal["none", "optimizer", "params"] = "none"
     """Keep training state in host (CPU) memory, FSDP on GPUs only (FSDP2's CPUOffloadPolicy, as verl's

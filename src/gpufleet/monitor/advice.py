@@ -18,6 +18,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpufleet.monitor.runfiles import device_label, several_nodes
+
 IDLE_GAP = 30.0
 """Points of utilisation between two devices that count as an imbalance."""
 WAIT_SHARE = 0.25
@@ -34,25 +36,34 @@ class Advice:
 
 
 def _device_means(records: Sequence[dict]) -> list[tuple[str, str, float]]:
-    """(label, role, mean busy %) per GPU, or per rank (CPU%) when there are no GPUs."""
+    """(label, role, mean busy %) per GPU, or per rank (CPU%) when there are no GPUs; every node's
+    devices (labels carry the node on a run over several: runfiles.py `device_label`)."""
+    multi = several_nodes(list(records))
     if any(r.get("gpus") for r in records):
-        by: dict[int, list[float]] = {}
-        roles: dict[int, str] = {}
+        by: dict[tuple[int, int], list[float]] = {}
+        roles: dict[tuple[int, int], str] = {}
         for rec in records:
             rank_role = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
             for g in rec["gpus"]:
                 if g.get("util") is not None and g.get("ranks"):
-                    by.setdefault(g["index"], []).append(float(g["util"]))
-                    roles[g["index"]] = "+".join(sorted({rank_role.get(k, "?") for k in g["ranks"]}))
-        return [(f"GPU {i}", roles[i], statistics.fmean(v)) for i, v in sorted(by.items())]
+                    key = (rec.get("node", 0), g["index"])
+                    by.setdefault(key, []).append(float(g["util"]))
+                    roles[key] = "+".join(sorted({rank_role.get(k, "?") for k in g["ranks"]}))
+        return [
+            (device_label("GPU", i, n, multi), roles[n, i], statistics.fmean(v))
+            for (n, i), v in sorted(by.items())
+        ]
     per_rank: dict[int, list[float]] = {}
-    roles_r: dict[int, str] = {}
+    roles_r: dict[int, tuple[str, int]] = {}
     for rec in records:
         for x in rec.get("ranks", []):
             if x.get("pids"):
                 per_rank.setdefault(x["rank"], []).append(min(float(x["cpu_percent"]), 100.0))
-                roles_r[x["rank"]] = x["role"]
-    return [(f"rank {k}", roles_r[k], statistics.fmean(v)) for k, v in sorted(per_rank.items())]
+                roles_r[x["rank"]] = (x["role"], rec.get("node", 0))
+    return [
+        (device_label("rank", k, roles_r[k][1], multi), roles_r[k][0], statistics.fmean(v))
+        for k, v in sorted(per_rank.items())
+    ]
 
 
 def device_balance(records: Sequence[dict], score_share: float | None = None) -> list[Advice]:

@@ -10,9 +10,9 @@ from collections import deque
 from pathlib import Path
 
 from gpufleet.monitor import advice
-from gpufleet.monitor.devices import devices_file
 from gpufleet.monitor.memory import read_plan
 from gpufleet.monitor.metrics import JsonlWriter
+from gpufleet.monitor.runfiles import device_files, merge_nodes
 
 EVERY = 10
 """Steps between two looks (the first after EVERY steps: start-up is not steady state)."""
@@ -70,7 +70,8 @@ class Advisor:
 
     def look(self) -> list[advice.Advice]:
         steps = [m for _, m in self.window]
-        devices = tail_records(devices_file(self.out, 0), since=self.window[0][0])
+        since = self.window[0][0]  # every node's samples (a shared OUTPUT holds each node's file)
+        devices = merge_nodes([(n, tail_records(f, since)) for n, f in device_files(self.out)])
         step_time = sum(m["step_time"] for m in steps)
         share = sum(m.get("timing/score", 0.0) for m in steps) / step_time if step_time else None
         found = advice.device_balance(devices, share) + advice.rank_balance(steps)

@@ -30,11 +30,7 @@ import psutil
 from gpufleet.devicestate import processes as gpu_processes
 from gpufleet.devicestate import query
 from gpufleet.monitor.metrics import JsonlWriter
-
-
-def devices_file(out: Path, node_rank: int) -> Path:
-    """OUTPUT/devices.jsonl on node 0, devices.node<N>.jsonl on the others (nodes may share OUTPUT)."""
-    return out / ("devices.jsonl" if node_rank == 0 else f"devices.node{node_rank}.jsonl")
+from gpufleet.monitor.runfiles import devices_file
 
 
 class RankProcesses:

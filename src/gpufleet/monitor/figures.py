@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from gpufleet.monitor.runfiles import Run  # noqa: E402
+from gpufleet.monitor.runfiles import Run, device_series  # noqa: E402
 from gpufleet.monitor.timing import PHASES  # noqa: E402
 
 CURVES = (
@@ -88,7 +88,7 @@ def devices(runs: list[Run], path: Path) -> bool:
     for run in with_samples:
         t0 = run.devices[0]["t"]
         tag = f"{run.name} " if len(with_samples) > 1 else ""
-        for label, points in _device_series(run.devices).items():
+        for label, points in device_series(run.devices).items():
             ts = [p[0] - t0 for p in points]
             busy.plot(ts, [p[1] for p in points], label=tag + label, linewidth=1)
             mem.plot(ts, [p[2] / GIB for p in points], label=tag + label, linewidth=1)
@@ -101,21 +101,3 @@ def devices(runs: list[Run], path: Path) -> bool:
     busy.legend(fontsize=8)
     _save(fig, path)
     return True
-
-
-def _device_series(records: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
-    """label -> [(t, busy %, bytes)] per GPU (with its roles), or per rank on a CPU-only run."""
-    out: dict[str, list[tuple[float, float, float]]] = {}
-    for rec in records:
-        roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
-        if rec.get("gpus"):
-            for g in rec["gpus"]:
-                who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
-                label = f"GPU {g['index']}" + (f" ({who})" if who else "")
-                out.setdefault(label, []).append((rec["t"], g.get("util") or 0, g.get("mem_used") or 0))
-        else:
-            for x in rec.get("ranks", []):
-                if x.get("pids"):
-                    label = f"rank {x['rank']} ({x['role']})"
-                    out.setdefault(label, []).append((rec["t"], x["cpu_percent"], x["rss"]))
-    return out

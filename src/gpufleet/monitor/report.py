@@ -6,8 +6,9 @@ as data: URIs; also saved beside it as PNGs) about one run, or several runs over
 
 Sections: a summary per run; curves (reward, KL, length, entropy, step time, tokens/s); where the step's
 time goes (mean per phase, per rank); devices over time (GPU utilisation and memory, or per-rank CPU% and
-RSS); plan vs measured peak memory per rank; the warnings the run printed; each run's resolved job with
-the source of every value (its job.yaml). No script, no external resource: it opens offline.
+RSS) and each device's mean and peak, on every node (`node1:gpu0` on a run over several); plan vs
+measured peak memory per rank; the warnings the run printed; each run's resolved job with the source of
+every value (its job.yaml). No script, no external resource: it opens offline.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpufleet.monitor.runfiles import Run, load_run
+from gpufleet.monitor.runfiles import Run, device_series, load_run
 
 GIB = 1024**3
 STYLE = """
@@ -84,6 +85,20 @@ def _summary(run: Run) -> list[object]:
     ]
 
 
+def device_rows(run: Run) -> list[list[object]]:
+    """Per device of every node (per rank on a CPU-only node): mean busy %, peak memory, samples."""
+    return [
+        [
+            run.name,
+            label,
+            statistics.fmean(p[1] for p in points),
+            max(p[2] for p in points) / GIB,
+            len(points),
+        ]
+        for label, points in device_series(run.devices).items()
+    ]
+
+
 def plan_rows(run: Run) -> list[list[object]]:
     """Per rank of the plan: role, planned GiB, measured peak GiB, measured / planned."""
     last = run.metrics[-1] if run.metrics else {}
@@ -113,6 +128,10 @@ def _page(runs: list[Run], images: list[tuple[str, str, Path]]) -> str:
     ]
     for name, title, path in images:
         parts += [f"<h2>{html.escape(title)}</h2>", _img(path, title), f"<p class='muted'>{name}</p>"]
+    devices = [row for r in runs for row in device_rows(r)]
+    if devices:
+        parts.append("<h2 id='devices'>Devices</h2>")
+        parts.append(_table(["run", "device", "mean busy %", "peak memory GiB", "samples"], devices))
     rows = [row for r in runs for row in plan_rows(r)]
     parts.append("<h2 id='plan'>Plan vs measured peak memory</h2>")
     parts.append(

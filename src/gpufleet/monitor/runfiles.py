@@ -1,9 +1,16 @@
 """What a run directory holds for `gpufleet report` and `gpufleet watch`, read tolerantly (a run still
-being written has a half line at the end of its files; a run without monitoring has fewer files)."""
+being written has a half line at the end of its files; a run without monitoring has fewer files).
+
+Devices: each node's sampler writes its own file (`devices_file`): devices.jsonl on node 0,
+devices.node<N>.jsonl on node N. Every node's file present is read (`device_files`), the records merged
+in time order, each carrying its node; on a run over several nodes a device is `node1:gpu0` (a rank on a
+CPU-only node `node1:rank3`), on one node `GPU 0` (`rank 3`), as `device_label` says.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +29,70 @@ def read_jsonl(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:
             continue
+    return out
+
+
+def devices_file(out: Path, node_rank: int) -> Path:
+    """OUTPUT/devices.jsonl on node 0, devices.node<N>.jsonl on the others (nodes may share OUTPUT)."""
+    return out / ("devices.jsonl" if node_rank == 0 else f"devices.node{node_rank}.jsonl")
+
+
+def device_files(out: Path) -> list[tuple[int, Path]]:
+    """(node, file) of every node's devices file in `out`, node 0 first."""
+    found = [(0, out / "devices.jsonl")] if (out / "devices.jsonl").exists() else []
+    for p in out.glob("devices.node*.jsonl"):
+        m = re.fullmatch(r"devices\.node(\d+)\.jsonl", p.name)
+        if m and int(m.group(1)) > 0:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def merge_nodes(per_node: list[tuple[int, list[dict]]]) -> list[dict]:
+    """The device records of every node in time order, each with its `node` (from its file if unsaid)."""
+    records = [{**rec, "node": rec.get("node", node)} for node, recs in per_node for rec in recs]
+    return sorted(records, key=lambda rec: rec.get("t", 0.0))
+
+
+def read_devices(out: Path) -> list[dict]:
+    """Every node's device records (see the module docstring)."""
+    return merge_nodes([(node, read_jsonl(path)) for node, path in device_files(out)])
+
+
+def several_nodes(records: list[dict]) -> bool:
+    return len({rec.get("node", 0) for rec in records}) > 1
+
+
+def device_label(kind: str, index: int, node: int, multi: bool) -> str:
+    """`GPU 0` / `rank 3` on one node; `node1:gpu0` / `node1:rank3` on a run over several (`kind`: GPU or rank)."""
+    return f"node{node}:{kind.lower()}{index}" if multi else f"{kind} {index}"
+
+
+def latest_by_node(records: list[dict]) -> list[dict]:
+    """The newest record of each node, by node."""
+    last: dict[int, dict] = {}
+    for rec in records:
+        last[rec.get("node", 0)] = rec
+    return [last[n] for n in sorted(last)]
+
+
+def device_series(records: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
+    """label -> [(t, busy %, bytes)] per GPU (with the roles on it), or per rank (CPU%, RSS) where a node
+    has no GPUs."""
+    multi = several_nodes(records)
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for rec in records:
+        node = rec.get("node", 0)
+        roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
+        if rec.get("gpus"):
+            for g in rec["gpus"]:
+                who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
+                label = device_label("GPU", g["index"], node, multi) + (f" ({who})" if who else "")
+                out.setdefault(label, []).append((rec["t"], g.get("util") or 0, g.get("mem_used") or 0))
+        else:
+            for x in rec.get("ranks", []):
+                if x.get("pids"):
+                    label = f"{device_label('rank', x['rank'], node, multi)} ({x['role']})"
+                    out.setdefault(label, []).append((rec["t"], x["cpu_percent"], x["rss"]))
     return out
 
 
@@ -46,6 +117,11 @@ class Run:
         return [s for s, _ in pts], [v for _, v in pts]
 
     @property
+    def several_nodes(self) -> bool:
+        """The devices files of more than one node (labels then carry the node)."""
+        return several_nodes(self.devices)
+
+    @property
     def ranks(self) -> list[int]:
         """The policy ranks whose timings the metrics carry ([0] for one process)."""
         last = self.metrics[-1] if self.metrics else {}
@@ -58,7 +134,7 @@ def load_run(path: str | Path) -> Run:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise UserError(f"{path} is not a folder.", fix="pass a run directory (the job's output.dir)")
-    if not (p / "metrics.jsonl").exists() and not (p / "devices.jsonl").exists():
+    if not (p / "metrics.jsonl").exists() and not device_files(p):
         raise UserError(
             f"{path} holds no metrics.jsonl or devices.jsonl: not a gpufleet run directory (yet).",
             fix="pass the job's output.dir, e.g. runs/quickstart",
@@ -74,7 +150,7 @@ def load_run(path: str | Path) -> Run:
     return Run(
         p,
         read_jsonl(p / "metrics.jsonl"),
-        read_jsonl(p / "devices.jsonl"),
+        read_devices(p),
         read_jsonl(p / "warnings.jsonl"),
         plan,
         job_yaml,

@@ -3,7 +3,7 @@
     gpufleet watch runs/quickstart            # refreshes every second; Ctrl-C leaves
     gpufleet watch runs/quickstart --once     # print the view once (scripts, CI logs)
 
-It reads only the run directory (metrics.jsonl, devices.jsonl, warnings.jsonl, job.yaml), so it works
+It reads only the run directory (metrics.jsonl, every node's devices file, warnings.jsonl, job.yaml), so it works
 from another terminal, another machine on a shared file system, or after the run: step / max steps and
 ETA; sparklines of reward, KL and completion length; per device (GPU utilisation and memory, or per
 rank CPU% and resident memory) bars; per rank the last step time and its slowest phase; the last warning.
@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpufleet.monitor.metrics import fmt_time
-from gpufleet.monitor.runfiles import Run, load_run, max_steps
+from gpufleet.monitor.runfiles import Run, device_label, latest_by_node, load_run, max_steps
 from gpufleet.monitor.timing import PHASES
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -68,27 +68,30 @@ def _curves(run: Run) -> Table:
 
 
 def _devices(run: Run) -> Table:
+    """The newest sample of every node's devices (labels carry the node on a run over several)."""
     t = Table(title="devices", title_justify="left", show_edge=False)
-    rec = run.devices[-1] if run.devices else {}
     t.add_column("device")
     t.add_column("busy")
     t.add_column("memory")
-    roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
-    for g in rec.get("gpus", []):
-        who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
-        used, total = g.get("mem_used") or 0, g.get("mem_total") or 1
-        t.add_row(
-            f"GPU {g['index']} {who}",
-            f"{bar((g.get('util') or 0) / 100)} {g.get('util') or 0:>3}%",
-            f"{bar(used / total)} {used / GIB:.1f}/{total / GIB:.1f} GiB",
-        )
-    if not rec.get("gpus"):
-        for x in rec.get("ranks", []):
+    multi = run.several_nodes
+    for rec in latest_by_node(run.devices):
+        node = rec.get("node", 0)
+        roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
+        for g in rec.get("gpus", []):
+            who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
+            used, total = g.get("mem_used") or 0, g.get("mem_total") or 1
             t.add_row(
-                f"rank {x['rank']} {x['role']}",
-                f"{bar(x['cpu_percent'] / 100)} {x['cpu_percent']:>5.0f}% cpu",
-                f"{x['rss'] / GIB:.2f} GiB rss",
+                f"{device_label('GPU', g['index'], node, multi)} {who}",
+                f"{bar((g.get('util') or 0) / 100)} {g.get('util') or 0:>3}%",
+                f"{bar(used / total)} {used / GIB:.1f}/{total / GIB:.1f} GiB",
             )
+        if not rec.get("gpus"):
+            for x in rec.get("ranks", []):
+                t.add_row(
+                    f"{device_label('rank', x['rank'], node, multi)} {x['role']}",
+                    f"{bar(x['cpu_percent'] / 100)} {x['cpu_percent']:>5.0f}% cpu",
+                    f"{x['rss'] / GIB:.2f} GiB rss",
+                )
     return t
 
 

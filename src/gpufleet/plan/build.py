@@ -4,7 +4,7 @@
 
 Each policy rank holds the policy (a full replica with DDP, a 1/N shard with FSDP), its rollout (KV
 cache), its training activations, and every role that is colocated (the reference model when beta > 0,
-the reward model when set); each dedicated scorer rank holds the roles placed on its device. `other`
+the reward model when set; under FSDP both are sharded like the policy); each dedicated scorer rank holds the roles placed on its device. `other`
 is the framework overhead per process (`overhead.py`), the generation batch's tensors and, with FSDP,
 the all-gathered root module plus two layers (current and prefetched) and one layer's unsharded
 gradient. No torch import.
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gpufleet.config import precision
 from gpufleet.config.load import Resolved
 from gpufleet.hardware import Hardware
+from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
     REWARD_MODEL_BATCH,
     fast_decode_copies,
@@ -35,7 +36,7 @@ from gpufleet.plan.memory import (
     training_precision,
     with_adapter,
 )
-from gpufleet.plan.overhead import HOST_OVERHEAD, overhead_bytes
+from gpufleet.plan.overhead import overhead_bytes
 from gpufleet.plan.shape import Models
 from gpufleet.topology import Topology
 
@@ -126,8 +127,12 @@ class Parts:
     """AdamW's temporaries on the GPU (0 on the CPU, where nothing is preallocated)."""
     ref_gather: int = 0
     """A sharded reference (FSDP): its root unit and two layers gathered while it scores."""
+    rm_gather: int = 0
+    """A sharded reward model (FSDP, colocated): its root unit and two layers gathered while it scores."""
     host_state: int = 0
     """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
+    whole: Whole = Whole(0)
+    """The models whole in their load dtypes: what a process briefly holds in host RAM while loading."""
 
 
 def _activations(job, pol, run: Precision, sizes: dict) -> Activations:
@@ -160,6 +165,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         adapter=adapter_parameters(job, pol.arch),
     )
     host_state = 0
+    whole = _whole(job, models, prec, state["weights"] if lay.offload else 0)
     if lay.offload:  # CPUOffloadPolicy: the sharded state and the optimizer step live in host memory
         host_state = state["weights"] + state["grads"] + state["optimizer"] + state["optimizer_step"]
         state = {**{k: 0 for k in state}, "ddp_buckets": 0}
@@ -171,7 +177,8 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
     copies = fast_decode_copies(pol.arch, run, wrapped=fsdp)
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
-    rm_weights, rm_work = _reward_model_parts(models, rows, P + T)
+    rm_shards = lay.shards if fsdp and lay.reward_model == "colocate" else 1
+    rm_weights, rm_work, rm_gather = reward_model_parts(job, models, rows, P + T, rm_shards)
     gathered = run.compute_bytes if mixed else prec.weight_bytes
     units = pol.params.root + 3 * pol.params.per_layer  # FSDP: root + current and prefetched layer + grads
     # A sharded reference's no-grad forward: its root unit and two layers gathered (released after).
@@ -195,27 +202,43 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         else 0,
         rm_weights=rm_weights,
         rm_work=rm_work,
+        rm_gather=rm_gather,
         batch_tensors=rows * (P + T) * 8 * 4 + rows * T * 4 * 4,
         gather=units * gathered + staging if fsdp else 0,
         host_state=host_state,
+        whole=whole,
         overhead=overhead_bytes(env, gpu=not hw.is_cpu),
         optimizer_step=0 if hw.is_cpu else state["optimizer_step"],
     )
 
 
-def _reward_model_parts(models: Models, rows: int, tokens: int) -> tuple[int, int]:
-    """(weights, one forward's working set) of the reward model, in its checkpoint's dtype."""
+def reward_model_parts(job, models: Models, rows: int, tokens: int, shards: int) -> tuple[int, int, int]:
+    """(weights, one forward's working set, gathered units) of the reward model, frozen in the compute
+    dtype (config/precision.py `reward_model_dtype`). `shards` > 1 (FSDP, colocated): 1/N of its weights
+    per policy rank, and its root unit and two layers gathered while it scores, as the reference."""
     rm = models.reward
     if rm is None:
-        return 0, 0
-    dtype = (
-        rm.arch.checkpoint_dtype
-        if rm.arch.checkpoint_dtype in ("float32", "bfloat16", "float16")
-        else "float32"
-    )
+        return 0, 0, 0
+    dtype = precision.reward_model_dtype(job)
     prec = Precision(dtype, dtype)
     work = reward_model_bytes(rm.arch, prec, batch=min(REWARD_MODEL_BATCH, rows), tokens=tokens)
-    return rm.params.total * prec.weight_bytes, work
+    gather = (rm.params.root + 2 * rm.params.per_layer) * prec.weight_bytes if shards > 1 else 0
+    return math.ceil(rm.params.total / shards) * prec.weight_bytes, work + gather, gather
+
+
+def _whole(job, models: Models, prec: Precision, resident: int) -> Whole:
+    """What loading converts whole on the CPU per process (plan/host.py): the policy in its weights'
+    dtype, the reference and the reward model in the compute dtype; `resident`: offloaded shards."""
+    pol, rm = models.policy, models.reward
+    ckpt = pol.arch.checkpoint_dtype
+    return Whole(
+        policy=converted_bytes(pol.params.total, prec.weights, ckpt),
+        reference=converted_bytes(pol.params.total, precision.reference_dtype(job), ckpt),
+        reward_model=0
+        if rm is None
+        else converted_bytes(rm.params.total, precision.reward_model_dtype(job), rm.arch.checkpoint_dtype),
+        resident=resident,
+    )
 
 
 def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
@@ -249,6 +272,7 @@ def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
     if lay.reward_model == "colocate":
         weights += parts.rm_weights
         detail["reward_model_weights"] = parts.rm_weights
+        detail["reward_model_gathered"] = parts.rm_gather
         scoring = max(scoring, parts.rm_work)
         role += " + reward model"
     phases = {
@@ -335,18 +359,11 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         reference=lay.reference,
         reward_model=lay.reward_model,
         devices=_devices(hw, per_device),
-        host=None if hw.is_cpu else _host(hw, topo, parts, lay),
+        host=None if hw.is_cpu else _host(hw, topo, parts, lay, roles_in_use(r)),
     )
 
 
-def _host(hw: Hardware, topo: Topology, parts: Parts, lay: Layout) -> HostLoad:
-    """Host RAM of one node: the state its policy ranks offload, and HOST_OVERHEAD per process."""
-    procs = topo.nproc_per_node
-    return HostLoad(
-        capacity=hw.ram_bytes,
-        source=hw.ram_source,
-        offloaded=len(topo.policy_devices) * parts.host_state,
-        overhead=procs * HOST_OVERHEAD,
-        processes=procs,
-        checked=lay.offload,
-    )
+def _host(hw: Hardware, topo: Topology, parts: Parts, lay: Layout, used: Mapping[str, bool]) -> HostLoad:
+    """Host RAM of one node (plan/host.py): offloaded state, the loading peak, overhead per process."""
+    colocated = {"reference": lay.reference == "colocate", "reward": lay.reward_model == "colocate"}
+    return host_load(hw, topo, parts.host_state, parts.whole, colocated, used)

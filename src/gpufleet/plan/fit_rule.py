@@ -133,16 +133,29 @@ def fit_problems(ctx) -> list[Problem]:
 
 
 def _host_problem(r, hw, plan, fixes) -> Problem:
-    """placement.offload puts more in host RAM than a node has (with 10% free)."""
+    """The host RAM of a node cannot hold what offload or loading the models puts there (with 10% free)."""
     h = plan.host
+    if h.at_load:
+        what = (
+            f"loading the models takes {gib(h.loading)} GiB of each node's host RAM: {h.processes} processes "
+            "at once, each converting its model whole to the dtype it trains in on the CPU before moving or "
+            "sharding it"
+        )
+        options = [f.command() for f in fixes] + ["fewer processes per node (launch.nproc_per_node)"]
+        refs = [r.ref("model.path"), r.ref("launch.nproc_per_node"), r.ref("placement.strategy")]
+    else:
+        what = (
+            f"placement.offload={r.job.placement.offload} puts {gib(h.offloaded)} GiB of training state in "
+            "each node's host RAM"
+        )
+        options = [f.command() for f in fixes] + ["--set placement.offload=none"]
+        refs = [r.ref("placement.offload"), r.ref("placement.strategy"), r.ref("model.path")]
+    if h.source == "assumed":
+        options.append("state the host's real RAM: --gpus SPEC,host=SIZE")
     why = (
-        f"placement.offload={r.job.placement.offload} puts {gib(h.offloaded)} GiB of training state in each "
-        f"node's host RAM (+ {gib(h.overhead)} GiB for {h.processes} processes): {gib(h.total)} GiB, but the "
+        f"{what} (+ {gib(h.overhead)} GiB for {h.processes} processes): {gib(h.total)} GiB, but the "
         f"host has {gib(h.capacity)} GiB ({h.where()}; plans keep >= {HEADROOM:.0%} free)."
     )
-    options = [f.command() for f in fixes]
-    options.append("--set placement.offload=none")
-    refs = [r.ref("placement.offload"), r.ref("placement.strategy"), r.ref("model.path")]
     return Problem(
         "error" if not h.fits else "warning", refs, why, "; or ".join(options), extra={"rule": "fit"}
     )

@@ -9,8 +9,8 @@ KV cache of the rollout (`rollout_bytes`)
     vocabulary, and the fast decoder's fused q/k/v + gate/up weights (at most 1 GiB; rl/fastdecode.py).
 
 Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
-    Inference weights (reference: the policy's dtype, as the trainer loads it; reward model: its
-    checkpoint dtype, which is what `from_pretrained` picks in transformers 5) plus one forward's
+    Inference weights (both frozen, in the compute dtype: config/precision.py `reference_dtype`,
+    `reward_model_dtype`; under FSDP sharded over the policy ranks, plan/build.py) plus one forward's
     working set: the largest layer's temporaries for a micro-batch, or the logits (whole, or one chunk
     of them where the head runs chunk by chunk: `memory.logits_bytes`) and one log-softmax chunk,
     whichever is larger.

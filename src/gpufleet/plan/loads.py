@@ -2,8 +2,8 @@
 
     plan.fits, plan.comfortable, plan.tightest, plan.devices[0].total, plan.to_dict()
 
-Per node (GPU plans): the host RAM its processes need (`HostLoad`), refused when training state is
-offloaded to it and it cannot hold that.
+Per node (GPU plans): the host RAM its processes need (`HostLoad`: offloaded training state or the
+loading peak, plan/host.py), refused when it cannot hold that.
 Per process:  total = weights + grads + optimizer + other + max(train, rollout, scoring, optimizer step)
 (the phases of one RL step follow each other and free their working memory). Processes on one device
 add up. A plan *fits* when every device's total is at most its memory, and is *comfortable* with at
@@ -153,7 +153,8 @@ class DeviceLoad:
 @dataclass
 class HostLoad:
     """Host RAM of one node (GPU plans): the training state its policy ranks offload
-    (`placement.offload`) plus a stated overhead per process (`overhead.HOST_OVERHEAD`)."""
+    (`placement.offload`), or the peak while its processes load their models whole on the CPU
+    (`plan/host.py`), whichever is larger, plus a stated overhead per process (`overhead.HOST_OVERHEAD`)."""
 
     capacity: int
     """Host RAM per node (hardware.py `ram_bytes`)."""
@@ -164,11 +165,24 @@ class HostLoad:
     overhead: int
     processes: int
     checked: bool
-    """Something is offloaded: the plan refuses when the host cannot hold it (else shown only)."""
+    """The plan refuses when the host cannot hold it (else shown only)."""
+    loading: int = 0
+    """The node's processes' peak while they load their models (each converts its largest model whole)."""
 
     @property
     def total(self) -> int:
-        return self.offloaded + self.overhead
+        return max(self.offloaded, self.loading) + self.overhead
+
+    @property
+    def at_load(self) -> bool:
+        """The loading peak, not the offloaded state, is the larger."""
+        return self.loading > self.offloaded
+
+    def what(self) -> str:
+        """What fills the host: `placement.offload` or loading the models."""
+        if self.at_load:
+            return "loading the models (each process converts its model whole to the dtype it trains in on the CPU before moving or sharding it)"
+        return "what placement.offload puts there"
 
     def where(self) -> str:
         """Where the capacity comes from, with how to state it."""
@@ -194,6 +208,7 @@ class HostLoad:
             "capacity_source": self.source,
             "total_bytes": self.total,
             "offloaded_bytes": self.offloaded,
+            "loading_bytes": self.loading,
             "overhead_bytes": self.overhead,
             "processes": self.processes,
             "checked": self.checked,

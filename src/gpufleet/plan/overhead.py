@@ -22,8 +22,8 @@ DEFAULT_CPU_OVERHEAD = 3 * GiB // 4
 
 HOST_OVERHEAD = 3 * GiB
 """Host RAM per process of a GPU run, beside what it offloads: the interpreter with torch, transformers
-and the CUDA runtime's host side (~2 GiB), the tokenizer and data, pinned staging buffers. Loading a
-checkpoint briefly holds its weights in host memory too (not counted: it is over before training)."""
+and the CUDA runtime's host side (~2 GiB), the tokenizer and data, pinned staging buffers. Loading the
+models briefly holds them whole in host memory too: counted apart (plan/host.py)."""
 
 OVERHEAD_ENV = "GPUFLEET_PLAN_OVERHEAD"
 """Setting (not a job field) that overrides the per-process overhead, e.g. `1.5GB` or `512MB`."""

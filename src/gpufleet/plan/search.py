@@ -178,7 +178,12 @@ def why(r: Resolved, plan: Plan) -> list[str]:
             f"reference colocated under FSDP: sharded {plan.shards} ways like the policy (frozen, "
             f"{precision.reference_dtype(r.job)}), its root and two layers gathered while it scores"
         )
-    if plan.host is not None and plan.host.checked:
+    if plan.strategy == "fsdp" and plan.reward_model == "colocate":
+        out.append(
+            f"reward model colocated under FSDP: sharded {plan.shards} ways (frozen, "
+            f"{precision.reward_model_dtype(r.job)}), its root and two layers gathered while it scores"
+        )
+    if plan.host is not None and plan.host.offloaded:
         out.append(
             f"placement.offload = {pl.offload} ({src('placement.offload')}): the policy's sharded weights, "
             f"grads and AdamW states in host RAM ({gib(plan.host.offloaded)} GiB per node), AdamW steps on "

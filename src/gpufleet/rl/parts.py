@@ -12,7 +12,7 @@ from gpufleet.dist import Runtime, all_true
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
-from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype
+from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype, reward_model_dtype
 from gpufleet.rl.rewards import Rewards
 from gpufleet.rl.rollout import Rollout, generate
 from gpufleet.rl.sampling import never_sampled
@@ -77,6 +77,8 @@ def build(
         rt.device,
         model_here=not rt.dedicated("reward"),
         env_weight=job.env.reward_weight if job.env.name else None,
+        model_dtype=reward_model_dtype(job),
+        shard=rt if sharded(job, rt) else None,  # FSDP: 1/N of the reward model per policy rank
     )
     loss = Loss.from_job(job)
     suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)
@@ -134,7 +136,8 @@ def _models(
 
 
 def sharded(job: Job, rt: Runtime) -> bool:
-    """FSDP2 over several policy ranks: the policy is sharded, and so is a colocated reference."""
+    """FSDP2 over several policy ranks: the policy is sharded, and so are a colocated reference and reward
+    model."""
     return rt.distributed and rt.policy_size > 1 and job.placement.strategy == "fsdp"
 
 

@@ -22,6 +22,11 @@ def reference_dtype(job: Job) -> str:
     return precision.reference_dtype(job)
 
 
+def reward_model_dtype(job: Job) -> str:
+    """The frozen reward model's dtype: the compute dtype (config/precision.py)."""
+    return precision.reward_model_dtype(job)
+
+
 def fsdp_param_dtype(job: Job, policy_ranks: int) -> torch.dtype | None:
     """The dtype FSDP2 gathers the policy's parameters in (None: no FSDP mixed precision)."""
     if not precision.fsdp_mixed(job, policy_ranks):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from gpufleet.config.schema import RewardSection
+from gpufleet.dist import Runtime
 from gpufleet.errors import UserError
 from gpufleet.text import plural
 from gpufleet.usercode import import_function
@@ -36,28 +37,51 @@ def resolve_function(name: str, timeout: float | None = None) -> Callable:
 
 
 class RewardModel:
-    """A sequence-classification model with one label, scoring prompt + completion text."""
+    """A sequence-classification model with one label, scoring prompt + completion text.
 
-    def __init__(self, path: str, device: torch.device, batch_size: int = 16):
+    Frozen and loaded in `dtype` (the job's compute dtype: config/precision.py `reward_model_dtype`).
+    With `shard` (FSDP over several policy ranks, the reward model colocated) it is sharded like the
+    reference (parallel.py `shard_frozen`): 1/N of its weights per policy rank, each layer gathered for
+    its forward; every policy rank must then score the same number of texts (it does: each holds
+    `per_device_batch x steps_per_generation` rows), so they run the same number of forwards together."""
+
+    def __init__(
+        self,
+        path: str,
+        device: torch.device,
+        batch_size: int = 16,
+        dtype: str = "float32",
+        shard: Runtime | None = None,
+    ):
         from transformers import AutoModelForSequenceClassification
 
         from gpufleet.models import load_tokenizer, resolve_model_path
 
         resolved = resolve_model_path(path)
         self.tokenizer = load_tokenizer(path, field="reward.model")
-        self.model = AutoModelForSequenceClassification.from_pretrained(resolved).to(device).eval()
-        if self.model.config.num_labels != 1:
+        model = AutoModelForSequenceClassification.from_pretrained(resolved, dtype=getattr(torch, dtype))
+        if model.config.num_labels != 1:
             raise UserError(
-                f"reward model {path} has {self.model.config.num_labels} labels.",
+                f"reward model {path} has {model.config.num_labels} labels.",
                 field="reward.model",
                 fix="use a sequence-classification model with num_labels=1",
             )
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        model.requires_grad_(False)
+        if shard is not None:  # loaded on the CPU; fully_shard moves each unit's shard to the device
+            from gpufleet.parallel import shard_frozen
+
+            model = shard_frozen(model, shard)
+        else:
+            model = model.to(device)
+        self.model = model.eval()
         self.device, self.batch_size = device, batch_size
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        from gpufleet.parallel import release
+
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         out: list[float] = []
         for i in range(0, len(texts), self.batch_size):
@@ -65,6 +89,7 @@ class RewardModel:
                 texts[i : i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
             ).to(self.device)
             out.extend(self.model(**enc).logits[:, 0].float().tolist())
+        release(self.model)  # sharded: the root unit gathered no longer
         return out
 
 
@@ -79,13 +104,17 @@ class Rewards:
         device: torch.device,
         model_here: bool = True,
         env_weight: float | None = None,
+        model_dtype: str = "float32",
+        shard: Runtime | None = None,
     ):
+        """`model_dtype`, `shard`: how the reward model is loaded (`RewardModel`)."""
         names = list(cfg.functions) or ([] if env_weight is not None else list(default_names))
         self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
             # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
-            self.fns.append(RewardModel(cfg.model, device) if model_here else None)
+            rm = RewardModel(cfg.model, device, dtype=model_dtype, shard=shard) if model_here else None
+            self.fns.append(rm)
             self.names.append("reward_model")
         if not self.fns and env_weight is None:
             raise UserError(
@@ -146,7 +175,8 @@ def _call_checked(fn, label: str, prompts, completions, cols, timeout: float | N
             fix="return a float or None per completion instead of exiting",
         ) from None
     except Exception as e:  # user code: find the first sample it fails on, then report it in one line
-        i = _first_failing(fn, prompts, completions, cols, timeout)
+        # (not a reward model: sharded, it may only run as often as on the other ranks)
+        i = None if isinstance(fn, RewardModel) else _first_failing(fn, prompts, completions, cols, timeout)
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
         raise UserError(
             f"reward function {label} raised {type(e).__name__}: {e}{where}.",

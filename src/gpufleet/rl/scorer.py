@@ -40,7 +40,7 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     """The scorer's loop: answer every policy rank until all of them say stop."""
     from gpufleet.models import load_causal_lm
     from gpufleet.rl.batch import GenerationBatch, logprobs_of
-    from gpufleet.rl.precision import autocast_for, reference_dtype
+    from gpufleet.rl.precision import autocast_for, reference_dtype, reward_model_dtype
     from gpufleet.rl.rewards import RewardModel
 
     _, roles, group = rt.scorers[0]
@@ -49,7 +49,9 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     if "reference" in roles and used["reference"]:
         reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
         reference.requires_grad_(False)
-    reward_model = RewardModel(job.reward.model, rt.device) if "reward" in roles and used["reward"] else None
+    reward_model = None
+    if "reward" in roles and used["reward"]:
+        reward_model = RewardModel(job.reward.model, rt.device, dtype=reward_model_dtype(job))
     autocast = autocast_for(job, rt.device)
     micro = job.train.micro_batch or job.train.per_device_batch
     members = dist.get_world_size(group)

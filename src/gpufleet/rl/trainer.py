@@ -33,7 +33,7 @@ from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build, sharded
-from gpufleet.rl.precision import autocast_for, reference_dtype
+from gpufleet.rl.precision import autocast_for, reference_dtype, reward_model_dtype
 from gpufleet.rl.step import generation_step, optimizer_step
 
 
@@ -45,8 +45,8 @@ def train(
     rt = rt or Runtime()
     t, o = job.train, job.output
     p = build(job, rt, weights=resume_from, run_dir=out_dir)
-    if rt.is_main and p.reference is not None and sharded(job, rt):
-        log(f"reference: sharded with FSDP2 over {rt.policy_size} policy ranks ({reference_dtype(job)})")
+    if rt.is_main:
+        _say_sharded(p, log)
     opt, sched = build_optimizer(p.train_model.parameters(), t)
     autocast = autocast_for(job, rt.device, rt.policy_size)
     reuse = reuse_count(job)
@@ -100,6 +100,18 @@ def train(
         samples_log.close()
     resume.save_final(p, out_dir / "final")
     return last
+
+
+def _say_sharded(p, log) -> None:
+    """One line per frozen model sharded over the policy ranks (FSDP): the reference, the reward model."""
+    job, rt = p.job, p.rt
+    if not sharded(job, rt):
+        return
+    over = f"sharded with FSDP2 over {rt.policy_size} policy ranks"
+    if p.reference is not None:
+        log(f"reference: {over} ({reference_dtype(job)})")
+    if job.reward.model and not rt.dedicated("reward"):
+        log(f"reward model: {over} ({reward_model_dtype(job)})")
 
 
 def _sync_reference(p) -> None:

@@ -196,15 +196,16 @@ def _head_lines(job: str, hw: Hardware, r: Resolved, models: Models) -> list[str
 
 
 def host_line(plan: Plan) -> str:
-    """`host RAM per node: 152.3 of 256.00 GiB (stated): offloaded 140.3 + overhead 12.00 (4 processes x 3)`."""
+    """`host RAM per node: 152.3 of 256.00 GiB (stated): offloaded 140.3, loading 122.0 (the larger
+    counts) + overhead 12.00 (4 processes x 3)`."""
     h = plan.host
     if h is None:
         return ""
-    text = (
-        f"  host RAM per node: {gib(h.total)} of {gib(h.capacity)} GiB ({h.where()}): offloaded {gib(h.offloaded)} + "
-        f"overhead {gib(h.overhead)} ({plural(h.processes, 'process')})"
+    return (
+        f"  host RAM per node: {gib(h.total)} of {gib(h.capacity)} GiB ({h.where()}): offloaded {gib(h.offloaded)}, "
+        f"loading the models {gib(h.loading)} (the larger counts) + overhead {gib(h.overhead)} "
+        f"({plural(h.processes, 'process')})"
     )
-    return text + ("" if h.checked else "; nothing offloaded, so not checked")
 
 
 def _verdict(plan: Plan) -> str:
@@ -214,7 +215,7 @@ def _verdict(plan: Plan) -> str:
         state = "does not fit" if not h.fits else "fits, but tight"
         return (
             f"{state}: the host RAM of each node needs {gib(h.total)} of {gib(h.capacity)} GiB "
-            f"(keep >= {HEADROOM:.0%} free) for what placement.offload puts there."
+            f"(keep >= {HEADROOM:.0%} free) for {h.what()}."
         )
     tight = plan.tightest
     where = "cpu" if tight.index is None else f"device {tight.label}"
