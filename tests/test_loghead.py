@@ -157,7 +157,7 @@ def _wrapped_worker(rank: int, port: int, out: str, wrapper: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_wrapped_gradient_is_the_mean_of_the_ranks(wrapper, tmp_path):
     import torch.multiprocessing as mp
 

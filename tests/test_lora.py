@@ -153,7 +153,9 @@ def test_lora_kill9_then_resume_is_bitwise_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj,lm_head"])
+@pytest.mark.parametrize(
+    "targets", ["all-linear", pytest.param("q_proj,v_proj,lm_head", marks=pytest.mark.slow)]
+)
 def test_export_writes_the_adapter_and_merge_writes_one_model_with_the_same_logits(tmp_path, capsys, targets):
     """With an adapter on the (tied) output head the merged model gets its own head: the same logits."""
     from peft import PeftModel

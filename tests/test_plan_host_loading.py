@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from gpufleet.plan.host import converted_bytes
 
 MEASURE = """
@@ -37,6 +39,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_loading_holds_what_the_plan_counts(tmp_path):
     run = subprocess.run(
         [sys.executable, "-c", MEASURE, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=180
