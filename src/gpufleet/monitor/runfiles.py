@@ -75,6 +75,11 @@ def latest_by_node(records: list[dict]) -> list[dict]:
     return [last[n] for n in sorted(last)]
 
 
+def gpu_ranks(gpu: dict, roles: dict[int, str]) -> str:
+    """The ranks on one GPU of a devices record with their roles: "policy 0, reference 2"."""
+    return ", ".join(f"{roles.get(k, '?')} {k}" for k in gpu.get("ranks", []))
+
+
 def device_series(records: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
     """label -> [(t, busy %, bytes)] per GPU (with the roles on it), or per rank (CPU%, RSS) where a node
     has no GPUs."""
@@ -85,7 +90,7 @@ def device_series(records: list[dict]) -> dict[str, list[tuple[float, float, flo
         roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
         if rec.get("gpus"):
             for g in rec["gpus"]:
-                who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
+                who = gpu_ranks(g, roles)
                 label = device_label("GPU", g["index"], node, multi) + (f" ({who})" if who else "")
                 out.setdefault(label, []).append((rec["t"], g.get("util") or 0, g.get("mem_used") or 0))
         else:

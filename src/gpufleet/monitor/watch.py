@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpufleet.monitor.metrics import fmt_time
-from gpufleet.monitor.runfiles import Run, device_label, latest_by_node, load_run, max_steps
+from gpufleet.monitor.runfiles import Run, device_label, gpu_ranks, latest_by_node, load_run, max_steps
 from gpufleet.monitor.timing import PHASES
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -78,7 +78,7 @@ def _devices(run: Run) -> Table:
         node = rec.get("node", 0)
         roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
         for g in rec.get("gpus", []):
-            who = ", ".join(f"{roles.get(k, '?')} {k}" for k in g.get("ranks", []))
+            who = gpu_ranks(g, roles)
             used, total = g.get("mem_used") or 0, g.get("mem_total") or 1
             t.add_row(
                 f"{device_label('GPU', g['index'], node, multi)} {who}",

@@ -9,7 +9,7 @@ from gpufleet.config.problems import FieldRef, Problem, Source
 from gpufleet.errors import UserError
 from gpufleet.plan.change import flags
 from gpufleet.plan.fixes import find_fixes
-from gpufleet.plan.loads import HEADROOM, DeviceLoad
+from gpufleet.plan.loads import HEADROOM, LOADING_WHY, DeviceLoad
 from gpufleet.plan.memory import gib
 from gpufleet.plan.overhead import BadSetting, overhead_bytes
 from gpufleet.plan.search import make_plan
@@ -138,8 +138,7 @@ def _host_problem(r, hw, plan, fixes) -> Problem:
     if h.at_load:
         what = (
             f"loading the models takes {gib(h.loading)} GiB of each node's host RAM: {h.processes} processes "
-            "at once, each converting its model whole to the dtype it trains in on the CPU before moving or "
-            "sharding it"
+            f"at once, each of which {LOADING_WHY}"
         )
         options = [f.command() for f in fixes] + ["fewer processes per node (launch.nproc_per_node)"]
         refs = [r.ref("model.path"), r.ref("launch.nproc_per_node"), r.ref("placement.strategy")]

@@ -150,6 +150,10 @@ class DeviceLoad:
         }
 
 
+LOADING_WHY = "converts its model whole to the dtype it trains in on the CPU before moving or sharding it"
+"""Why loading the models fills a node's host RAM (plan/host.py), in the plan's and check's messages."""
+
+
 @dataclass
 class HostLoad:
     """Host RAM of one node (GPU plans): the training state its policy ranks offload
@@ -181,7 +185,7 @@ class HostLoad:
     def what(self) -> str:
         """What fills the host: `placement.offload` or loading the models."""
         if self.at_load:
-            return "loading the models (each process converts its model whole to the dtype it trains in on the CPU before moving or sharding it)"
+            return f"loading the models (each process {LOADING_WHY})"
         return "what placement.offload puts there"
 
     def where(self) -> str:
