@@ -91,6 +91,10 @@ w = model.module.weight.detach().clone(); others = [torch.zeros_like(w) for _ in
 dist.all_gather(others, w)
 assert torch.equal(others[0], others[1]), "replicas diverged"
 print("replicas equal", flush=True)
+# Tear down in order (no DDP reducer or pending gloo work left for interpreter finalisation, which can
+# abort with "terminate called without an active exception"), after both ranks are done.
+del model, opt
+dist.barrier()
 dist.destroy_process_group()
 """
 
