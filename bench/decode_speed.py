@@ -1,10 +1,13 @@
 """CPU time of ``generate`` with the fast decode path (``FastDecoder``) vs the Hugging Face forward.
 
     .venv/bin/python bench/decode_speed.py [--models tiny-qwen2,small-qwen2] [--repeats 15] [--threads 1]
+    .venv/bin/python bench/decode_speed.py --models small-qwen2 --shapes 16x32 --prompt-tokens 128 --group 8
 
 For each built-in model and shape (rows x new tokens: 8x32 and 128x10 by default), both paths sample
 the same left-padded prompts with the same seeds (temperature 1), alternating run by run so that load
-from other processes hits both alike. Times are process CPU time (``time.process_time``), so the
+from other processes hits both alike. Prompts are random, 8-24 tokens (``--prompt-tokens``: LO-HI or
+N); ``--group G`` repeats each G times, as the G completions of a GRPO group (the fast path runs a
+repeated prompt once). Times are process CPU time (``time.process_time``), so the
 machine being shared inflates them less than wall time. No assertions; it prints the median and best
 per path, their ratio, and whether both paths sampled the same tokens.
 """
@@ -26,9 +29,13 @@ from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
 
 
-def prompts(rows: int, seed: int = 0) -> list[list[int]]:
+def prompts(rows: int, lengths: tuple[int, int] = (8, 24), group: int = 1, seed: int = 0) -> list[list[int]]:
+    """``rows`` prompts of random tokens, each distinct one repeated ``group`` times in a row."""
     rnd = random.Random(seed)
-    return [[rnd.randrange(2, 86) for _ in range(rnd.randint(8, 24))] for _ in range(rows)]
+    distinct = [
+        [rnd.randrange(2, 86) for _ in range(rnd.randint(*lengths))] for _ in range(-(-rows // group))
+    ]
+    return [p for p in distinct for _ in range(group)][:rows]
 
 
 def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
@@ -51,11 +58,18 @@ def main() -> None:
     ap.add_argument("--models", default="tiny-qwen2,small-qwen2")
     ap.add_argument("--shapes", default="8x32,128x10", help="rows x new tokens, comma-separated")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--prompt-tokens", default="8-24", help="prompt length: LO-HI (random) or N")
+    ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     saved = os.environ.get(FAST_DECODE_ENV)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU time per generate call")
+    lo, _, hi = args.prompt_tokens.partition("-")
+    lengths = (int(lo), int(hi or lo))
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), CPU time per generate call; prompts of "
+        f"{args.prompt_tokens} tokens, {args.group} row(s) each"
+    )
     print(
         f"{'model':12s} {'shape':>7s} {'HF median':>10s} {'fast median':>12s} {'HF best':>8s} "
         f"{'fast best':>9s} {'speed-up':>8s}  same tokens"
@@ -69,7 +83,7 @@ def main() -> None:
                     continue
                 for shape in args.shapes.split(","):
                     n_rows, new_tokens = (int(v) for v in shape.split("x"))
-                    rows = prompts(n_rows)
+                    rows = prompts(n_rows, lengths, args.group)
                     times = {True: [], False: []}
                     tokens = {}
                     for fast in (True, False):  # warm-up

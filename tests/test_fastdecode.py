@@ -146,8 +146,11 @@ def fast_logits(model, ids, mask, positions, tokens, **kw) -> torch.Tensor:
     return torch.stack(out, dim=1)
 
 
-def compare(model, padded: bool, rows: int = 5, steps: int = 6, seed: int = 0, **kw) -> float:
+def compare(model, padded: bool, rows: int = 5, steps: int = 6, seed: int = 0, group: int = 1, **kw) -> float:
+    """Max |logit difference| to the HF forward; ``group`` > 1 repeats each prompt that many times."""
     prompts = random_prompts(rows, seed, lo=1 if padded else 9, hi=12 if padded else 9)
+    prompts = [p for p in prompts for _ in range(group)]
+    rows = len(prompts)
     ids, mask = left_pad(prompts, PAD_TOKEN_ID)
     assert bool(mask.all()) != padded
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -167,10 +170,48 @@ def test_logits_equal_the_hf_forward(models, name, padded):
     assert compare(model, padded) < ATOL
 
 
-def test_unfused_weights_and_a_single_row(models):
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_a_prompt_repeated_in_a_group_is_prefilled_once(models, monkeypatch, padded):
+    """The G rows of a group share their prompt: prefill runs it once and every row decodes on its own."""
+    model, batches = models["tiny-qwen2"], []
+    prefill = FastDecoder._prefill
+
+    def counting(self, input_ids, *args):
+        batches.append(len(input_ids))
+        return prefill(self, input_ids, *args)
+
+    monkeypatch.setattr(FastDecoder, "_prefill", counting)
+    assert compare(model, padded, rows=3, group=4) < ATOL  # 12 rows, 3 prompts; later tokens differ by row
+    assert batches == [3]
+
+
+@pytest.mark.parametrize("layout", ["views", "fused", "dense"])
+def test_each_weight_layout_and_a_single_row(models, layout):
     model = models["tiny-qwen2"]
-    assert compare(model, padded=True, fuse=False) < ATOL
-    assert compare(model, padded=False, rows=1, steps=3) < ATOL
+    assert compare(model, padded=True, layout=layout) < ATOL
+    assert compare(model, padded=False, rows=1, steps=3, layout=layout) < ATOL
+    assert compare(model, padded=False, rows=9, steps=3, layout=layout) < ATOL
+
+
+def test_copies_the_weights_in_the_fastest_layout_that_fits(models, monkeypatch):
+    """On CPU the small built-in models get (in, out) copies of every projection; past the copy budget,
+    the fused q/k/v and gate/up only, then views of the parameters (nothing copied)."""
+    import gpufleet.rl.fastdecode as fastdecode
+
+    model = models["tiny-qwen2"]
+    decoder = FastDecoder(model)
+    assert decoder.layout == "dense"
+    weight, _ = decoder.layers[0].down.parts[0]
+    assert weight.is_contiguous() and torch.equal(weight, model.model.layers[0].mlp.down_proj.weight.t())
+    projections = sum(p.numel() * 4 for n, p in model.model.layers.named_parameters() if "proj.weight" in n)
+    monkeypatch.setattr(fastdecode, "_COPY_LIMIT_BYTES", projections)  # the head no longer fits
+    assert FastDecoder(model).layout == "fused"
+    monkeypatch.setattr(fastdecode, "_COPY_LIMIT_BYTES", 1000)
+    decoder = FastDecoder(model)
+    assert decoder.layout == "views"
+    assert (
+        decoder.layers[0].down.parts[0][0].data_ptr() == model.model.layers[0].mlp.down_proj.weight.data_ptr()
+    )
 
 
 def test_attention_implementations_sdpa_and_eager_are_supported():
