@@ -217,6 +217,33 @@ def test_kv_cache_of_the_fast_decoder_exact(name, monkeypatch):
 
 def test_fuse_limit_mirrors_the_fast_decoder():
     fastdecode = pytest.importorskip("gpufleet.rl.fastdecode")
-    from gpufleet.plan.inference import FUSE_LIMIT_BYTES
+    from gpufleet.plan.inference import COPY_LIMIT_BYTES
 
-    assert FUSE_LIMIT_BYTES == fastdecode._FUSE_LIMIT_BYTES
+    assert COPY_LIMIT_BYTES == fastdecode._COPY_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("name", [*list(SHAPES)[:3], "llama (MLP biases)"])
+@pytest.mark.parametrize("limit", [1 << 30, "fused", 0], ids=["dense", "fused", "views"])
+def test_decoder_weight_copies_exact(name, limit, monkeypatch):
+    """The planner's `fast_decode_copies` on CPU is the bytes of the decoder's own weight copies (the
+    tensors it holds that are not the model's parameters), in each layout the copy budget allows."""
+    from gpufleet.plan import inference
+    from gpufleet.rl import fastdecode
+
+    raw = SHAPES.get(name) or {**SHAPES["llama (MHA 6/6, untied, biases)"], "mlp_bias": True}
+    model = build(raw).eval()
+    arch = arch_from_config(model.config.to_dict())
+    if limit == "fused":  # room for the fused q/k/v and gate/up only
+        limit = inference.fast_decode_copies(arch, Precision("float32", "float32"), wrapped=False)
+    monkeypatch.setattr(fastdecode, "_COPY_LIMIT_BYTES", limit)
+    monkeypatch.setattr(inference, "COPY_LIMIT_BYTES", limit)
+    decoder = fastdecode.FastDecoder(model)
+    params = {p.data_ptr() for p in model.parameters()}
+    linears = [
+        decoder.lm_head,
+        *(getattr(x, f) for x in decoder.layers for f in ("qkv", "o_proj", "gate_up", "down")),
+    ]
+    held = {t.data_ptr(): t for lin in linears for part in lin.parts for t in part if t is not None}
+    measured = storage_bytes(t for ptr, t in held.items() if ptr not in params)
+    planned = inference.fast_decode_copies(arch, Precision("float32", "float32"), wrapped=False, cpu=True)
+    assert measured == planned and (measured > 0) == (decoder.layout != "views")

@@ -175,7 +175,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     run = Precision(prec.compute, prec.compute) if mixed else prec
     ref = Precision(precision.reference_dtype(job), precision.reference_dtype(job))
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
-    copies = fast_decode_copies(pol.arch, run, wrapped=fsdp)
+    copies = fast_decode_copies(pol.arch, run, wrapped=fsdp, cpu=hw.is_cpu)
     several_steps = t.steps_per_generation * job.algorithm.num_iterations > 1
     rm_shards = lay.shards if fsdp and lay.reward_model == "colocate" else 1
     rm_weights, rm_work, rm_gather = reward_model_parts(job, models, rows, P + T, rm_shards)

@@ -6,7 +6,7 @@ KV cache of the rollout (`rollout_bytes`)
     completion and sequences = per_device_batch x steps_per_generation (a rank generates its whole
     generation batch at once). `generate` runs outside autocast, so bytes = the weights' dtype. Plus the
     prefill's working set (one layer over all prompts), the sampler's float temporaries over the
-    vocabulary, and the fast decoder's fused q/k/v + gate/up weights (at most 1 GiB; rl/fastdecode.py).
+    vocabulary, and the fast decoder's weight copies (at most 1 GiB; rl/fastdecode.py).
 
 Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
     Inference weights (both frozen, in the compute dtype: config/precision.py `reference_dtype`,
@@ -64,25 +64,30 @@ def kv_cache_bytes(arch: Arch, *, dtype_bytes: int, tokens: int, sequences: int)
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes * tokens * sequences
 
 
-FUSE_LIMIT_BYTES = 1 << 30
-"""Mirror of `gpufleet.rl.fastdecode._FUSE_LIMIT_BYTES`: the fast decoder concatenates q/k/v and
-gate/up weights only when the copies take at most this much."""
+COPY_LIMIT_BYTES = 1 << 30
+"""Mirror of `gpufleet.rl.fastdecode._COPY_LIMIT_BYTES`: the most the fast decoder's weight copies take."""
 
 FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 """model_type values `gpufleet.rl.fastdecode.FastDecoder` runs (plain float32 models only)."""
 
 
-def fast_decode_copies(arch: Arch, p: Precision, *, wrapped: bool) -> int:
-    """Bytes of the fused q/k/v and gate/up weights the fast decoder builds for one `generate` call
-    (0 where it does not run: other families, non-float32 weights, an FSDP-wrapped policy)."""
+def fast_decode_copies(arch: Arch, p: Precision, *, wrapped: bool, cpu: bool = False) -> int:
+    """Bytes of the weight copies the fast decoder builds for one `generate` call, as
+    `FastDecoder._layout_that_fits` picks them: on CPU every projection, its biases and the head if they
+    fit in `COPY_LIMIT_BYTES`; else the fused q/k/v and gate/up if those fit; else none. 0 where it does
+    not run (other families, non-float32 weights, an FSDP-wrapped policy)."""
     if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights != "float32":
         return 0
     h = arch.hidden_size
-    per_layer = h * arch.q_dim + 2 * h * arch.kv_dim + 2 * h * arch.intermediate_size
-    if arch.qkv_bias:
-        per_layer += arch.q_dim + 2 * arch.kv_dim
-    copies = per_layer * arch.num_layers * 4
-    return copies if copies <= FUSE_LIMIT_BYTES else 0
+    fused = h * arch.q_dim + 2 * h * arch.kv_dim + 2 * h * arch.intermediate_size
+    fused += arch.qkv_bias * (arch.q_dim + 2 * arch.kv_dim) + arch.mlp_bias * 2 * arch.intermediate_size
+    fused *= arch.num_layers * 4
+    if cpu:
+        rest = (arch.q_dim * h + arch.intermediate_size * h + arch.o_bias * h + arch.mlp_bias * h) * 4
+        dense = fused + rest * arch.num_layers + arch.vocab_size * h * 4
+        if dense <= COPY_LIMIT_BYTES:
+            return dense
+    return fused if fused <= COPY_LIMIT_BYTES else 0
 
 
 def rollout_bytes(

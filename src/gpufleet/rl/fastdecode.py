@@ -5,8 +5,9 @@ Rollouts dominate an RL step, and for small batches on CPU most of an HF decode 
 runs the same arithmetic over the model's own weights with less of that overhead:
 
 * the weights are read when the decoder is built, once per ``generate`` call (a policy trained in between
-  is read fresh); q/k/v and gate/up are fused into one matmul each (concatenated copies), and every
-  projection is a direct ``mm``/``addmm`` on 2-D hidden states (B or N rows, no length axis);
+  is read fresh); q/k/v and gate/up are fused into one matmul each (concatenated copies; on CPU every
+  weight is copied (in, out), see ``_Linear``), and every projection is a direct ``mm``/``addmm`` on
+  2-D hidden states (B or N rows, no length axis);
 * the KV cache is preallocated, ``(B, kv_heads, prompt + max_new_tokens, head_dim)`` per layer; masks
   are additive and built once from the prompt padding (none at all when no prompt is padded);
 * RoPE cos/sin come from a table built once from the model's ``inv_freq`` buffer and
@@ -14,7 +15,8 @@ runs the same arithmetic over the model's own weights with less of that overhead
 * a decode step attends with ``F.scaled_dot_product_attention`` on the key/value heads directly, the
   query heads of a group folded into the query axis (HF's ``pack_gqa``);
 * the prefill skips pad tokens (per-token work runs on the real tokens, packed), and its last layer, the
-  final norm and the LM head run on the last position only;
+  final norm and the LM head run on the last position only; a prompt repeated over several rows (a
+  GRPO group) is prefilled once and its cache copied to its rows;
 * ``keep`` drops finished rows from the cache, so later steps compute the live rows only.
 
 Matched against transformers 5.23 (``models/{llama,qwen2,qwen3,mistral}/modeling_*.py``, which share
