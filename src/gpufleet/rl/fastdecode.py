@@ -346,8 +346,9 @@ class FastDecoder:
         if len(first) == len(input_ids):
             return self._prefill(input_ids, attention_mask, position_ids, max_new_tokens)
         logits = self._prefill(input_ids[first], attention_mask[first], position_ids[first], max_new_tokens)
-        for caches in (self.k_cache, self.v_cache):
-            caches[:] = [cache[inverse] for cache in caches]
+        for caches in (self.k_cache, self.v_cache):  # one layer at a time: at most one extra (u-row) layer
+            for i, cache in enumerate(caches):
+                caches[i] = cache[inverse]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[inverse]
         return logits[inverse]
