@@ -334,7 +334,8 @@ SAMPLING = {
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama", "qwen3", "mistral"])
 def test_generate_fast_path_gives_the_hf_path_tokens(models, monkeypatch, name, mode):
     model = models[name]
-    for prompts in (random_prompts(6, seed=1, lo=1, hi=12), random_prompts(4, seed=2, lo=7, hi=7)):
+    groups = [p for p in random_prompts(3, seed=4, lo=2, hi=9) for _ in range(3)]  # prefilled once each
+    for prompts in (random_prompts(6, seed=1, lo=1, hi=12), random_prompts(4, seed=2, lo=7, hi=7), groups):
         hf = sample(model, prompts, monkeypatch, fast=False, **SAMPLING[mode])
         fast = sample(model, prompts, monkeypatch, fast=True, **SAMPLING[mode])
         assert_same_rollout(fast, hf)
