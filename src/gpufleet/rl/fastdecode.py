@@ -6,7 +6,7 @@ runs the same arithmetic over the model's own weights with less of that overhead
 
 * the weights are read when the decoder is built, once per ``generate`` call (a policy trained in between
   is read fresh); q/k/v and gate/up are fused into one matmul each (concatenated copies; on CPU every
-  weight is copied (in, out), see ``_Linear``), and every projection is a direct ``mm``/``addmm`` on
+  weight is copied (in, out), see ``fastdecode_ops.Linear``), and every projection is a direct ``mm``/``addmm`` on
   2-D hidden states (B or N rows, no length axis);
 * the KV cache is preallocated, ``(B, kv_heads, prompt + max_new_tokens, head_dim)`` per layer; masks
   are additive and built once from the prompt padding (none at all when no prompt is padded);
@@ -43,12 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from gpufleet.rl.fastdecode_check import sliding_window, structure_reason, unsupported_reason
+from gpufleet.rl.fastdecode_ops import Linear, Norm, distinct_rows, rope
 
 __all__ = ["FastDecoder"]
 
 _COPY_LIMIT_BYTES = 1 << 30
 """The decoder copies weights only up to this much memory (1 GiB): on CPU every projection and the head
-in the (in, out) layout (``_Linear``) if they fit, else (and on other devices) q/k/v and gate/up fused if
+in the (in, out) layout (``fastdecode_ops.Linear``) if they fit, else (and on other devices) q/k/v and gate/up fused if
 those fit; bigger models run on views of their parameters (for them the copies save nothing measurable)."""
 
 _PROJECTIONS = (
@@ -62,92 +63,18 @@ _PROJECTIONS = (
 )
 
 
-# --- the computation, op by op as in the HF modules ---------------------------------------------
-
-
-class _Norm:
-    """HF ``*RMSNorm.forward`` in float32: ``weight * (x * rsqrt(mean(x**2) + eps))`` over the last dim.
-
-    The mean is written as ``sum().div_(n)``, which is how ATen computes a float32 mean on CPU (same
-    bits), and ``n`` and ``eps`` are 0-dim float32 tensors: a Python scalar costs a wrapped tensor and a
-    copy on every call, and an op on the float32 value gives the same bits. ``F.rms_norm`` gives the
-    same bits too, but dispatches several times more kernels on CPU.
-    """
-
-    def __init__(self, weight: torch.Tensor, eps: float, per_head: torch.Tensor | None = None):
-        """``per_head`` (heads, dim): Qwen3's q_norm and k_norm applied at once, one weight row per head."""
-        self.weight = weight if per_head is None else per_head
-        self.size = torch.tensor(float(weight.shape[-1]), dtype=torch.float32, device=weight.device)
-        self.eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
-
-    @classmethod
-    def of(cls, module: torch.nn.Module) -> _Norm:
-        """The norm of an HF ``*RMSNorm`` module (its live weight)."""
-        return cls(module.weight, module.variance_epsilon)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        scale = x.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
-        return self.weight * (x * scale)
-
-
-class _Linear:
-    """``F.linear`` of 2-D inputs (N, in) through one or several ``nn.Linear`` (outputs concatenated).
-
-    ``layout``: ``"views"`` keeps a transposed view of each weight (no copy); ``"fused"`` concatenates
-    several weights (and biases) into one copy, so they run as one matmul; ``"dense"`` does that too and
-    stores the copy transposed and contiguous, (in, out). For 2-D inputs ``F.linear`` is
-    ``addmm(bias, x, W.t())`` or ``mm(x, W.t())``: calling those directly skips two dispatch layers. On
-    CPU a decode step's few rows make a matmul bound by reading its weight; the (in, out) layout reads it
-    in order and runs about 1.5x faster at 16 rows (bench/decode_speed.py), with the same bits from 8
-    rows up (MKL; fewer rows take a matrix-vector kernel whose sums round differently, within 1e-6).
-    """
-
-    def __init__(self, *modules: torch.nn.Linear, layout: str = "fused"):
-        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
-        if layout == "dense":
-            self.parts = [(torch.cat([m.weight.t() for m in modules], dim=1).contiguous(), bias)]
-        elif layout == "fused" and len(modules) > 1:
-            self.parts = [(torch.cat([m.weight for m in modules], dim=0).t(), bias)]
-        else:
-            self.parts = [(m.weight.t(), m.bias) for m in modules]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-
-def _distinct_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first row of each distinct prompt (ids and mask) and, per row, the index of its prompt there."""
-    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    order = torch.arange(len(rows), device=rows.device)
-    first = torch.full((int(inverse.max()) + 1,), len(rows), device=rows.device)
-    return first.scatter_reduce_(0, inverse, order, "amin"), inverse
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF ``apply_rotary_pos_emb`` for one tensor, ``x * cos + rotate_half(x) * sin``, bit for bit.
-
-    ``sin = cat(s, s)`` (``*RotaryEmbedding.forward``), so ``rotate_half(x) * sin = cat(-x2 * s, x1 * s)``
-    ``= roll(x, D/2) * cat(-s, s)``: ``signed_sin`` is ``cat(-s, s)``; negation is exact.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 @dataclass
 class _Layer:
     """One decoder layer's weights (views of the model's parameters, or fused copies of them)."""
 
-    input_norm: _Norm
-    qkv: _Linear
-    qk_norm: _Norm | None
+    input_norm: Norm
+    qkv: Linear
+    qk_norm: Norm | None
     """Qwen3: q_norm on the query heads and k_norm on the key heads, at once."""
-    o_proj: _Linear
-    post_norm: _Norm
-    gate_up: _Linear
-    down: _Linear
+    o_proj: Linear
+    post_norm: Norm
+    gate_up: Linear
+    down: Linear
 
 
 class FastDecoder:
@@ -172,7 +99,7 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module, *, layout: str | None = None, check: bool = True):
         """Read the weights of ``model``: views of its parameters or copies, by ``layout`` (see
-        ``_Linear``; default: the fastest that fits in ``_COPY_LIMIT_BYTES``). ``check=False`` skips the
+        ``fastdecode_ops.Linear``; default: the fastest that fits in ``_COPY_LIMIT_BYTES``). ``check=False`` skips the
         support check, for a caller that just made it."""
         if check and (reason := structure_reason(model)) is not None:
             raise ValueError(f"FastDecoder does not support this model: {reason}")
@@ -188,9 +115,9 @@ class FastDecoder:
         self.inv_freq = rotary.inv_freq
         self.attention_scaling = rotary.attention_scaling
         self.embed = inner.embed_tokens.weight
-        self.norm = _Norm.of(inner.norm)
+        self.norm = Norm.of(inner.norm)
         self.layout = layout or self._layout_that_fits(model, layers)
-        self.lm_head = _Linear(model.lm_head, layout=self.layout)
+        self.lm_head = Linear(model.lm_head, layout=self.layout)
         self.vocab = model.lm_head.weight.shape[0]
         self.layers = [self._read_layer(layer, self.layout) for layer in layers]
         # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
@@ -227,19 +154,19 @@ class FastDecoder:
             heads = attn.q_proj.out_features // attn.head_dim
             kv_heads = attn.k_proj.out_features // attn.head_dim
             rows = [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
-            qk_norm = _Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
+            qk_norm = Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
         return _Layer(
-            input_norm=_Norm.of(layer.input_layernorm),
-            qkv=_Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout),
+            input_norm=Norm.of(layer.input_layernorm),
+            qkv=Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout),
             qk_norm=qk_norm,
-            o_proj=_Linear(attn.o_proj, layout=layout),
-            post_norm=_Norm.of(layer.post_attention_layernorm),
-            gate_up=_Linear(mlp.gate_proj, mlp.up_proj, layout=layout),
-            down=_Linear(mlp.down_proj, layout=layout),
+            o_proj=Linear(attn.o_proj, layout=layout),
+            post_norm=Norm.of(layer.post_attention_layernorm),
+            gate_up=Linear(mlp.gate_proj, mlp.up_proj, layout=layout),
+            down=Linear(mlp.down_proj, layout=layout),
         )
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (see ``_rope``) of ``positions`` (...,) -> (..., head_dim), computed as
+        """cos and signed sin (see ``fastdecode_ops.rope``) of ``positions`` (...,) -> (..., head_dim), computed as
         ``*RotaryEmbedding.forward`` does."""
         freqs = positions[..., None].float() * self.inv_freq.float()
         cos, sin = freqs.cos(), freqs.sin()
@@ -256,7 +183,7 @@ class FastDecoder:
         qk, v = qkv[..., :qk_heads, :], qkv[..., qk_heads:, :]
         if layer.qk_norm is not None:  # Qwen3: q_norm / k_norm over head_dim, before RoPE
             qk = layer.qk_norm(qk)
-        qk = _rope(qk, cos, signed_sin)
+        qk = rope(qk, cos, signed_sin)
         return qk[..., : self.heads, :], qk[..., self.heads :, :], v
 
     def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +269,7 @@ class FastDecoder:
         A prompt given in several rows (the G completions of a group) is run once: its cache rows and
         logits are copied to each of its rows, which go on separately from there.
         """
-        first, inverse = _distinct_rows(input_ids, attention_mask)
+        first, inverse = distinct_rows(input_ids, attention_mask)
         if len(first) == len(input_ids):
             return self._prefill(input_ids, attention_mask, position_ids, max_new_tokens)
         logits = self._prefill(input_ids[first], attention_mask[first], position_ids[first], max_new_tokens)

@@ -1,0 +1,78 @@
+"""The pieces of a fast decoder step, op by op as in the Hugging Face modules (see rl/fastdecode.py):
+RMSNorm, the linear projections in the weight layout that reads fastest, RoPE, and the grouping of
+repeated prompts."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Norm", "Linear", "rope", "distinct_rows"]
+
+
+class Norm:
+    """HF ``*RMSNorm.forward`` in float32: ``weight * (x * rsqrt(mean(x**2) + eps))`` over the last dim.
+
+    The mean is written as ``sum().div_(n)``, which is how ATen computes a float32 mean on CPU (same
+    bits), and ``n`` and ``eps`` are 0-dim float32 tensors: a Python scalar costs a wrapped tensor and a
+    copy on every call, and an op on the float32 value gives the same bits. ``F.rms_norm`` gives the
+    same bits too, but dispatches several times more kernels on CPU.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, per_head: torch.Tensor | None = None):
+        """``per_head`` (heads, dim): Qwen3's q_norm and k_norm applied at once, one weight row per head."""
+        self.weight = weight if per_head is None else per_head
+        self.size = torch.tensor(float(weight.shape[-1]), dtype=torch.float32, device=weight.device)
+        self.eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Norm:
+        """The norm of an HF ``*RMSNorm`` module (its live weight)."""
+        return cls(module.weight, module.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
+        return self.weight * (x * scale)
+
+
+class Linear:
+    """``F.linear`` of 2-D inputs (N, in) through one or several ``nn.Linear`` (outputs concatenated).
+
+    ``layout``: ``"views"`` keeps a transposed view of each weight (no copy); ``"fused"`` concatenates
+    several weights (and biases) into one copy, so they run as one matmul; ``"dense"`` does that too and
+    stores the copy transposed and contiguous, (in, out). For 2-D inputs ``F.linear`` is
+    ``addmm(bias, x, W.t())`` or ``mm(x, W.t())``: calling those directly skips two dispatch layers. On
+    CPU a decode step's few rows make a matmul bound by reading its weight; the (in, out) layout reads it
+    in order and runs about 1.5x faster at 16 rows (bench/decode_speed.py), with the same bits from 8
+    rows up (MKL; fewer rows take a matrix-vector kernel whose sums round differently, within 1e-6).
+    """
+
+    def __init__(self, *modules: torch.nn.Linear, layout: str = "fused"):
+        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
+        if layout == "dense":
+            self.parts = [(torch.cat([m.weight.t() for m in modules], dim=1).contiguous(), bias)]
+        elif layout == "fused" and len(modules) > 1:
+            self.parts = [(torch.cat([m.weight for m in modules], dim=0).t(), bias)]
+        else:
+            self.parts = [(m.weight.t(), m.bias) for m in modules]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of each distinct prompt (ids and mask) and, per row, the index of its prompt there."""
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    order = torch.arange(len(rows), device=rows.device)
+    first = torch.full((int(inverse.max()) + 1,), len(rows), device=rows.device)
+    return first.scatter_reduce_(0, inverse, order, "amin"), inverse
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF ``apply_rotary_pos_emb`` for one tensor, ``x * cos + rotate_half(x) * sin``, bit for bit.
+
+    ``sin = cat(s, s)`` (``*RotaryEmbedding.forward``), so ``rotate_half(x) * sin = cat(-x2 * s, x1 * s)``
+    ``= roll(x, D/2) * cat(-s, s)``: ``signed_sin`` is ``cat(-s, s)``; negation is exact.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
