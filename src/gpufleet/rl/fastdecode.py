@@ -99,8 +99,8 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module, *, layout: str | None = None, check: bool = True):
         """Read the weights of ``model``: views of its parameters or copies, by ``layout`` (see
-        ``fastdecode_ops.Linear``; default: the fastest that fits in ``_COPY_LIMIT_BYTES``). ``check=False`` skips the
-        support check, for a caller that just made it."""
+        ``fastdecode_ops.Linear``; default: the fastest that fits in ``_COPY_LIMIT_BYTES``).
+        ``check=False`` skips the support check, for a caller that just made it."""
         if check and (reason := structure_reason(model)) is not None:
             raise ValueError(f"FastDecoder does not support this model: {reason}")
         config, inner = model.config, model.model
