@@ -287,7 +287,7 @@ class FastDecoder:
         position_ids: torch.Tensor,
         max_new_tokens: int,
     ) -> torch.Tensor:
-        """``prefill`` of rows that may repeat each other.
+        """``prefill`` of the rows as given (``prefill`` passes each distinct prompt once).
 
         Pad tokens are skipped: the per-token work (norms, projections, RoPE, MLP) runs on the real
         tokens only, packed into (N, hidden); they are scattered to the padded (B, P) layout for the
