@@ -33,9 +33,10 @@ def phase_table(
     trl: list[dict],
     warmup: int,
     peak: dict,
+    goal: float | None = None,
 ) -> list[str]:
     """Markdown lines: per phase the FLOPs per step, CPU-scaled seconds, GFLOP/s and fraction of peak;
-    then the whole step of each trainer (CPU time per step)."""
+    then the whole step of each trainer (CPU time per step); then the floor (`floor_lines`)."""
     flops = dict.fromkeys((*PHASES, "total"), 0.0)
     secs = dict.fromkeys(PHASES, 0.0)
     steps = 0
@@ -63,9 +64,33 @@ def phase_table(
         frac = f"{rate / peak_cpu:.0%}" if f > 0 else "-"
         lines.append(f"| {ph} | {f / 1e9:.2f} | {t * 1000:.0f} | {rate / 1e9:.1f} | {frac} |")
     total = flops["total"] / max(steps, 1)
+    cpus = {}
     for name, rs in (("gpufleet", runs), ("TRL 1.16", trl)):
-        cpu = med([x for r in rs for x in r["cpu_step_time"][warmup:]])
+        cpus[name] = cpu = med([x for r in rs for x in r["cpu_step_time"][warmup:]])
         lines.append(
             f"| **{name}, whole step** (CPU time) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
         )
-    return lines
+    per_step = {k: v / max(steps, 1) for k, v in flops.items()}
+    return [*lines, "", *floor_lines(per_step, peak, cpus["TRL 1.16"], goal)]
+
+
+def floor_lines(flops: dict[str, float], peak: dict, trl_step: float, goal: float | None) -> list[str]:
+    """What the step could take at best on this machine, and what a step-time `goal` (a ratio to TRL's
+    CPU time per step, `trl_step` seconds) asks of it. Two floors: every FLOP at the peak; and decoding
+    at the best rate `gemm_peak.py` measured at the decode rows (each shape timed alone, its weight hot
+    in cache: optimistic for a decode step, which reads a dozen weights in turn), the rest at the peak."""
+    peak_cpu = peak["peak_cpu"]
+    decode_rate = max(
+        (s["cpu_flops"] for s in peak["shapes"] if s["name"].startswith("decode")), default=peak_cpu
+    )
+    at_peak = flops["total"] / peak_cpu
+    at_shapes = flops["generate"] / decode_rate + (flops["total"] - flops["generate"]) / peak_cpu
+    text = (
+        f"Floor on this machine: {at_peak * 1000:.0f} ms per step with every FLOP at the peak "
+        f"({at_peak / trl_step:.2f} of TRL's step); {at_shapes * 1000:.0f} ms ({at_shapes / trl_step:.2f}) with "
+        f"decoding at the best decode-row matmul rate ({decode_rate / 1e9:.1f} GFLOP/s) and the rest at the peak."
+    )
+    if goal:
+        need = flops["total"] / (goal * trl_step)
+        text += f" A ratio of {goal:g} needs {need / 1e9:.1f} GFLOP/s over the whole step: {need / peak_cpu:.0%} of the peak."
+    return [text]

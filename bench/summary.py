@@ -159,6 +159,7 @@ def report(
             results["trl"],
             a.warmup,
             peak,
+            GOALS.get(p.name),
         ),
         "",
         *(learning_lines(a, learning_stats(results), curve_rows) if p.name == "learn" else []),

@@ -44,3 +44,18 @@ def test_gemm_shapes():
     shapes = {name: (m, k, n) for name, m, k, n in gemm_shapes(CFG, batch=2, prompt=2, completion=3)}
     assert shapes["train gate/up"] == (10, 4, 8) and shapes["decode down"] == (2, 8, 4)
     assert shapes["train head"] == (8, 4, 10) and shapes["train dW down"] == (8, 10, 4)
+
+
+def test_floor():
+    from phases import floor_lines
+
+    # 6 GFLOP decoding at 30 GFLOP/s (best decode row) + 24 GFLOP at the 120 GFLOP/s peak = 0.4 s;
+    # all 30 at the peak: 0.25 s; TRL 1 s per step; a 0.5 ratio needs 60 GFLOP/s, half the peak
+    peak = {
+        "peak_cpu": 120e9,
+        "shapes": [{"name": "decode q/o", "cpu_flops": 30e9}, {"name": "train q/o", "cpu_flops": 120e9}],
+    }
+    (line,) = floor_lines({"generate": 6e9, "score": 6e9, "backward": 18e9, "total": 30e9}, peak, 1.0, 0.5)
+    assert "250 ms per step with every FLOP at the peak (0.25 of TRL's step); 400 ms (0.40)" in line
+    assert "(30.0 GFLOP/s)" in line and "needs 60.0 GFLOP/s over the whole step: 50% of the peak" in line
+    assert "needs" not in floor_lines({"generate": 6e9, "total": 30e9}, peak, 1.0, None)[0]

@@ -733,3 +733,21 @@ def test_reward_attr_missing_in_user_module(workdir, capsys, monkeypatch):
     (workdir / "job.yaml").write_text(job("reward: {functions: ['myrewards:accuracyy']}"))
     code, out = run_cli(capsys, ["check", "job.yaml", "--gpus", "cpu"])
     assert code == 2 and "defines no 'accuracyy'" in out
+
+
+def test_torch_compile_needs_a_compiler(workdir, capsys, monkeypatch):
+    """train.torch_compile on this CPU: refused when $CXX names no compiler, fine with g++ (CI has it)."""
+    (workdir / "job.yaml").write_text(job("train: {torch_compile: true}"))
+    monkeypatch.setenv("CXX", str(workdir / "no-such-g++"))
+    code, out = run_cli(capsys, ["check", "job.yaml", "--gpus", "cpu"])
+    assert code == 2 and "Traceback" not in out, out
+    assert (
+        "train.torch_compile" in out and "no-such-g++" in out and "--set train.torch_compile=false" in out
+    ), out
+    monkeypatch.delenv("CXX")
+    code, out = run_cli(capsys, ["check", "job.yaml", "--gpus", "cpu"])
+    assert code == 0, out
+    # a what-if spec describes another machine: its compilers are not this one's
+    monkeypatch.setenv("CXX", str(workdir / "no-such-g++"))
+    code, out = run_cli(capsys, ["check", "job.yaml", "--gpus", "4x24GB"])
+    assert "torch_compile" not in out, out

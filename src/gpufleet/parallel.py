@@ -14,11 +14,16 @@ from gpufleet.dist import Runtime
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks of a causal LM (Llama/Qwen/Mistral/Gemma: model.layers; GPT-2: h)."""
+    """The repeated transformer blocks of a causal LM (Llama/Qwen/Mistral/Gemma: model.layers; GPT-2: h),
+    also under a peft adapter; ValueError if there are none."""
+    if hasattr(model, "get_base_model"):  # peft's PeftModel: the blocks are the base model's
+        model = model.get_base_model()
     inner = getattr(model, "model", None) or getattr(model, "transformer", None) or model
     layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
     if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard with FSDP")
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__} (model.layers or transformer.h)"
+        )
     return list(layers)
 
 

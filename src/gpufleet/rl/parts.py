@@ -9,6 +9,7 @@ import torch
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
+from gpufleet.rl.compiled import compile_layers, eager
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
@@ -117,6 +118,8 @@ def _models(
     if job.model.gradient_checkpointing:
         # transformers 5.x: activation_checkpointing_enable (gradient_checkpointing_enable is deprecated)
         policy.activation_checkpointing_enable({"use_reentrant": False})
+    if job.train.torch_compile:
+        compile_layers(policy)  # before DDP / fully_shard wrap it
     train_model = policy
     if rt.distributed and rt.policy_size > 1:
         from gpufleet.parallel import wrap_policy
@@ -126,13 +129,24 @@ def _models(
         train_model = wrap_policy(policy, pl.strategy, rt, dtype, pl.offload)
     reference = None
     if job.roles_used()["reference"] and not rt.dedicated("reference"):
-        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=load_on).eval()
-        reference.requires_grad_(False)
+        reference = load_reference(job, load_on)
         if sharded(job, rt):  # 1/N of the reference per policy rank
             from gpufleet.parallel import shard_frozen
 
             reference = shard_frozen(reference, rt)
     return policy, train_model, reference
+
+
+def load_reference(job: Job, device: str) -> torch.nn.Module:
+    """The frozen reference model (model.path, reference dtype) on `device`, compiled with
+    train.torch_compile."""
+    from gpufleet.models import load_causal_lm
+
+    reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=device).eval()
+    reference.requires_grad_(False)
+    if job.train.torch_compile:
+        compile_layers(reference)
+    return reference
 
 
 def sharded(job: Job, rt: Runtime) -> bool:
@@ -159,17 +173,19 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
     the sharded model, together (every rank must call this the same number of times)."""
     rt, ro = p.rt, p.job.rollout
     fsdp = sharded(p.job, rt)
-    return generate(
-        p.train_model if fsdp else p.policy,
-        prompt_ids,
-        seeds=seeds,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=p.tokenizer.eos_token_id,
-        pad_token_id=p.tokenizer.pad_token_id,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
-        suppress_tokens=p.suppress_tokens,
-        min_new_tokens=ro.min_completion_length,
-    ).to(p.device)
+    with eager(p.job.train.torch_compile):
+        rollout = generate(
+            p.train_model if fsdp else p.policy,
+            prompt_ids,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=p.tokenizer.eos_token_id,
+            pad_token_id=p.tokenizer.pad_token_id,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
+            suppress_tokens=p.suppress_tokens,
+            min_new_tokens=ro.min_completion_length,
+        )
+    return rollout.to(p.device)

@@ -38,17 +38,16 @@ def stop(rt: Runtime) -> None:
 
 def serve(rt: Runtime, job: Job, log=print) -> None:
     """The scorer's loop: answer every policy rank until all of them say stop."""
-    from gpufleet.models import load_causal_lm
     from gpufleet.rl.batch import GenerationBatch, logprobs_of
-    from gpufleet.rl.precision import autocast_for, reference_dtype, reward_model_dtype
+    from gpufleet.rl.parts import load_reference
+    from gpufleet.rl.precision import autocast_for, reward_model_dtype
     from gpufleet.rl.rewards import RewardModel
 
     _, roles, group = rt.scorers[0]
     used = job.roles_used()
     reference = None
     if "reference" in roles and used["reference"]:
-        reference = load_causal_lm(job.model.path, dtype=reference_dtype(job), device=str(rt.device)).eval()
-        reference.requires_grad_(False)
+        reference = load_reference(job, str(rt.device))
     reward_model = None
     if "reward" in roles and used["reward"]:
         reward_model = RewardModel(job.reward.model, rt.device, dtype=reward_model_dtype(job))

@@ -3,7 +3,10 @@ ports, unused roles, algorithm and schedule sanity."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import shutil
 import socket
 
 from gpufleet.launch.torchrun import free_port
@@ -200,6 +203,33 @@ def precision_supported(ctx: Context):
             [ctx.ref("train.precision")],
             "fp16 autocast on the CPU is slow and gains no memory here.",
             "--set train.precision=bf16 (CPU bf16 works) or fp32",
+        )
+
+
+@rule
+def torch_compile_toolchain(ctx: Context):
+    """train.torch_compile: TorchInductor builds C++ for a CPU ($CXX, else g++, as torch looks it up) and
+    Triton kernels for a GPU (Triton builds its launcher with a C compiler). Checked for this machine's
+    own devices or its CPU only: a GPU what-if spec (--gpus 4x24GB) says nothing about the machine that
+    will run it."""
+    if not ctx.job.train.torch_compile or not (ctx.hw.is_detected or ctx.hw.is_cpu):
+        return
+    if ctx.hw.is_cpu:
+        cxx = os.environ.get("CXX", "g++")
+        missing = (
+            None if shutil.which(cxx) else f"a C++ compiler ({cxx}, from $CXX or g++) to build CPU kernels"
+        )
+    elif importlib.util.find_spec("triton") is None:
+        missing = "the triton package to build GPU kernels"
+    else:
+        cc = os.environ.get("CC")
+        found = shutil.which(cc) if cc else any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+        missing = None if found else "a C compiler (cc, gcc or clang, or $CC) for Triton's kernel launcher"
+    if missing:
+        yield err(
+            [ctx.ref("train.torch_compile")],
+            f"torch.compile needs {missing}; none found on this machine.",
+            "install it (Debian/Ubuntu: apt install g++; GPU: pip install triton) or --set train.torch_compile=false",
         )
 
 
