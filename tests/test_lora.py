@@ -114,14 +114,18 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_lora_two_ranks_equal_one_rank_and_checkpoints_hold_the_adapter(tmp_path):
-    # lora_dropout 0: dropout masks come from each rank's own random stream (as in any DDP run)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_two_ranks_equal_one_rank_and_checkpoints_hold_the_adapter(tmp_path, strategy):
+    # lora_dropout 0: dropout masks come from each rank's own random stream (as in any DDP run).
+    # fsdp: the adapter's base layers are found under peft's wrapper (it used to stop every rank)
     sets = ("train.max_steps=3", "algorithm.beta=0.04", "output.save_every=2", "model.lora_dropout=0")
     one, two = tmp_path / "one", tmp_path / "two"
     p = train(one, *sets)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "adapter:" in p.stdout and "--merge" in p.stdout
-    p = train(two, *sets, "train.per_device_batch=16", "launch.nproc_per_node=2")
+    p = train(
+        two, *sets, "train.per_device_batch=16", "launch.nproc_per_node=2", f"placement.strategy={strategy}"
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     a, b = adapter(one / "final"), adapter(two / "final")
     assert a.keys() == b.keys() and all("lora_" in k for k in a)
