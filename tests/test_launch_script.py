@@ -91,11 +91,15 @@ w = model.module.weight.detach().clone(); others = [torch.zeros_like(w) for _ in
 dist.all_gather(others, w)
 assert torch.equal(others[0], others[1]), "replicas diverged"
 print("replicas equal", flush=True)
-# Tear down in order (no DDP reducer or pending gloo work left for interpreter finalisation, which can
-# abort with "terminate called without an active exception"), after both ranks are done.
+# Tear down in order, after both ranks are done. Even so, torch 2.13's gloo threads abort interpreter
+# finalisation now and then ("terminate called without an active exception", SIGABRT; 1 in 25 runs of
+# this script under plain torchrun, no gpufleet involved; pytorch/pytorch#190489): skip finalisation,
+# as this test is about the launcher, not about torch's teardown.
 del model, opt
 dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
 """
 
 JOB = """
