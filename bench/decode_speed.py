@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/decode_speed.py [--models tiny-qwen2,small-qwen2] [--repeats 15] [--threads 1]
     .venv/bin/python bench/decode_speed.py --models small-qwen2 --shapes 16x32 --prompt-tokens 128 --group 8
+    python3 bench/decode_speed.py --device cuda --shapes 16x64 --group 8    # GPU: wall time per call
 
 For each built-in model and shape (rows x new tokens: 8x32 and 128x10 by default), both paths sample
 the same left-padded prompts with the same seeds (temperature 1), alternating run by run so that load
@@ -38,9 +39,18 @@ def prompts(rows: int, lengths: tuple[int, int] = (8, 24), group: int = 1, seed:
     return [p for p in distinct for _ in range(group)][:rows]
 
 
+def clock(device: str) -> float:
+    """Process CPU time on the CPU; on a GPU, wall time after the GPU's queue has drained."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
 def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
     os.environ[FAST_DECODE_ENV] = "1" if fast else "0"
-    start = time.process_time()
+    device = model.device.type
+    start = clock(device)
     out = generate(
         model,
         rows,
@@ -50,7 +60,7 @@ def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
         pad_token_id=PAD_TOKEN_ID,
         temperature=1.0,
     )
-    return time.process_time() - start, out.completion_ids
+    return clock(device) - start, out.completion_ids
 
 
 def main() -> None:
@@ -61,13 +71,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", default="8-24", help="prompt length: LO-HI (random) or N")
     ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU wall time per call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     saved = os.environ.get(FAST_DECODE_ENV)
     lo, _, hi = args.prompt_tokens.partition("-")
     lengths = (int(lo), int(hi or lo))
     print(
-        f"torch {torch.__version__}, {args.threads} thread(s), CPU time per generate call; prompts of "
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.device}, "
+        f"{'CPU' if args.device == 'cpu' else 'wall'} time per generate call; prompts of "
         f"{args.prompt_tokens} tokens, {args.group} row(s) each"
     )
     print(
@@ -77,7 +89,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as root:
             for name in args.models.split(","):
-                model = load_causal_lm(str(materialize(name, root=root))).eval()
+                model = load_causal_lm(str(materialize(name, root=root))).eval().to(args.device)
                 if (reason := FastDecoder.unsupported_reason(model, 1024)) is not None:
                     print(f"{name:12s} no fast path: {reason}")
                     continue

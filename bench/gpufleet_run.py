@@ -44,7 +44,7 @@ def job_sets(a: argparse.Namespace, p: Preset, out: Path) -> list[str]:
         "train.max_grad_norm=1.0",
         f"train.max_steps={a.steps}",
         f"train.seed={a.seed}",
-        "train.precision=fp32",
+        f"train.precision={a.precision}",
         "train.log_every=1",
         "train.samples_every=0",
         f"output.dir={out}",
@@ -59,6 +59,7 @@ def run(a: argparse.Namespace, p: Preset) -> None:
 
     torch.set_num_threads(a.threads)
     from gpufleet.config.load import load_job
+    from gpufleet.dist import Runtime
     from gpufleet.rl.trainer import train
 
     out = Path(a.out)
@@ -72,7 +73,10 @@ def run(a: argparse.Namespace, p: Preset) -> None:
         for f, v in getattr(resolved.job, sec)
     }
     print("[vs_trl] gpufleet job:", json.dumps(settings), flush=True)
-    clock.train(lambda: train(resolved.job, out, log=lambda _line: clock.step_end()))
+    rt = Runtime(device=torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu"))
+    if a.device == "cuda":
+        torch.cuda.set_device(rt.device)
+    clock.train(lambda: train(resolved.job, out, rt, log=lambda _line: clock.step_end()))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     own = [r["step_time"] for r in rows]  # the trainer's own time of each step
     write_result(

@@ -27,7 +27,8 @@ TEMPERATURE = 1.0
 class Preset:
     """Settings shared by both trainers. `speed`: the issue's measurement at tiny size; `small`: the same at
     3.2M parameters with a reference model; `learn`: the quickstart's task at its
-    first settings (budget 8, `repeat/chars`; examples/quickstart.yaml now also teaches <eos>)."""
+    first settings (budget 8, `repeat/chars`; examples/quickstart.yaml now also teaches <eos>); `gpu`:
+    the small preset's batch on a 0.5B model (Qwen2.5-0.5B's shapes), for `--device cuda`."""
 
     name: str
     batch: int  # completions per optimizer step (prompts x generations)
@@ -54,6 +55,17 @@ PRESETS: dict[str, Preset] = {
         beta=0.04,
     ),
     "learn": Preset("learn", batch=128, generations=8, completion_tokens=8, steps=200, lr=3e-3, every=10),
+    "gpu": Preset(
+        "gpu",
+        batch=16,
+        generations=8,
+        completion_tokens=64,
+        steps=10,
+        lr=1e-6,
+        every=5,
+        model="qwen2.5-0.5b",
+        beta=0.04,
+    ),
 }
 
 BENCH_MODELS: dict[str, dict[str, int]] = {
@@ -65,9 +77,20 @@ BENCH_MODELS: dict[str, dict[str, int]] = {
         "head_dim": 64,
         "intermediate_size": 768,
     },
+    "qwen2.5-0.5b": {  # Qwen2.5-0.5B's config.json shapes (its 151,936-token vocabulary included)
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 4864,
+    },
 }
 """Benchmark models: builtin:tiny-qwen2's config.json (character vocabulary, tied embeddings) with these
-sizes. `qwen2-256x4`: 3.2M parameters."""
+sizes. `qwen2-256x4`: 3.2M parameters. `qwen2.5-0.5b`: Qwen2.5-0.5B's shapes and vocabulary size (494M
+parameters; the character tokenizer covers the first ids only, so a sampled id past it decodes as
+nothing), for the `gpu` preset."""
 
 
 def model_config(p: Preset) -> dict:

@@ -18,9 +18,15 @@ from stats import med
 PHASES = ("generate", "score", "backward", "optimizer", "checkpoint", "other")
 
 
-def cpu_factor(run: dict, warmup: int) -> float:
-    """CPU / wall over the run's steps after `warmup` (1.0: the process had a core to itself)."""
-    wall, cpu = sum(run["step_time"][warmup:]), sum(run["cpu_step_time"][warmup:])
+def step_key(peak: dict) -> str:
+    """The per-step time the figures use: CPU time on the CPU, wall time on a GPU (where the CPU time of
+    the launching thread says nothing about the GPU's work)."""
+    return "cpu_step_time" if peak.get("device", "cpu") == "cpu" else "step_time"
+
+
+def cpu_factor(run: dict, warmup: int, key: str = "cpu_step_time") -> float:
+    """CPU / wall over the run's steps after `warmup` (1.0: the process had a core to itself, or on a GPU)."""
+    wall, cpu = sum(run["step_time"][warmup:]), sum(run[key][warmup:])
     return cpu / wall if wall > 0 else 1.0
 
 
@@ -40,8 +46,9 @@ def phase_table(
     flops = dict.fromkeys((*PHASES, "total"), 0.0)
     secs = dict.fromkeys(PHASES, 0.0)
     steps = 0
+    key = step_key(peak)
     for run in runs:
-        factor = cpu_factor(run, warmup)
+        factor = cpu_factor(run, warmup, key)
         for s in range(warmup, len(run["max_length"])):
             f = step_flops(cfg, batch, prompt, int(run["max_length"][s]), beta)
             for k, v in f.items():
@@ -50,12 +57,15 @@ def phase_table(
                 secs[ph] += run["timing"].get(f"timing/{ph}", [0.0] * (s + 1))[s] * factor
             steps += 1
     peak_cpu = peak["peak_cpu"]
+    square, device = peak.get("square", 1024), peak.get("device", "cpu")
+    clock = "CPU time" if key == "cpu_step_time" else "wall time"
+    where = f"{peak['threads']} thread(s)" if device == "cpu" else device
     lines = [
-        f"Matmul peak (`bench/gemm_peak.py`, float32, {peak['threads']} thread(s), best shape of the step): "
-        f"{peak_cpu / 1e9:.1f} GFLOP/s by CPU time ({peak['peak_wall'] / 1e9:.1f} by wall time; 1024^3 square "
+        f"Matmul peak (`bench/gemm_peak.py`, {peak.get('dtype', 'float32')}, {where}, best shape of the step): "
+        f"{peak_cpu / 1e9:.1f} GFLOP/s by {clock} ({peak['peak_wall'] / 1e9:.1f} by wall time; {square}^3 square "
         f"{peak['square_cpu'] / 1e9:.1f}).",
         "",
-        "| gpufleet phase | GFLOP per step | ms per step (CPU-scaled) | GFLOP/s | fraction of peak |",
+        f"| gpufleet phase | GFLOP per step | ms per step ({'CPU-scaled' if device == 'cpu' else 'wall'}) | GFLOP/s | fraction of peak |",
         "|---|---:|---:|---:|---:|",
     ]
     for ph in PHASES:
@@ -66,9 +76,9 @@ def phase_table(
     total = flops["total"] / max(steps, 1)
     cpus = {}
     for name, rs in (("gpufleet", runs), ("TRL 1.16", trl)):
-        cpus[name] = cpu = med([x for r in rs for x in r["cpu_step_time"][warmup:]])
+        cpus[name] = cpu = med([x for r in rs for x in r[key][warmup:]])
         lines.append(
-            f"| **{name}, whole step** (CPU time) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
+            f"| **{name}, whole step** ({clock}) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
         )
     per_step = {k: v / max(steps, 1) for k, v in flops.items()}
     return [*lines, "", *floor_lines(per_step, peak, cpus["TRL 1.16"], goal)]

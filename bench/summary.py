@@ -37,6 +37,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def hardware(a: argparse.Namespace) -> str:
+    """Where the run ran: the CPU, and the GPU's name with `--device cuda`."""
+    where = f"{cpu_model()}, {os.cpu_count()} cores"
+    if a.device == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name(0)}, {a.precision} (host: {where})"
+    return where
+
+
 def versions() -> str:
     import importlib.metadata as md
 
@@ -143,8 +153,8 @@ def report(
     lines = [
         "### gpufleet vs TRL GRPOTrainer (`bench/vs_trl.py`)",
         "",
-        f"{cpu_model()}, {os.cpu_count()} cores ({loadtxt}); torch.set_num_threads({a.threads}) in both; {versions()}.",
-        f"Preset `{p.name}`. Both: {p.model} ({model_params(p) / 1e6:.2f}M weights) fp32, builtin:repeat, {p.batch} completions/step ({p.batch // p.generations} prompts x "
+        f"{hardware(a)} ({loadtxt}); torch.set_num_threads({a.threads}) in both; {versions()}.",
+        f"Preset `{p.name}`. Both: {p.model} ({model_params(p) / 1e6:.2f}M weights) {a.precision}, builtin:repeat, {p.batch} completions/step ({p.batch // p.generations} prompts x "
         f"{p.generations} generations), {p.completion_tokens} completion tokens, temperature {TEMPERATURE}, beta {p.beta:g}, loss_type grpo, "
         f"lr {a.lr:g} constant, {a.steps} steps, seeds {seeds_text(a)}; median over steps after {a.warmup} warm-up steps, all seeds pooled.",
         "",
@@ -165,7 +175,7 @@ def report(
         *(learning_lines(a, learning_stats(results), curve_rows) if p.name == "learn" else []),
         f"(`python -c pass`: {python}. Goal for the step-time ratio: <= {GOALS.get(p.name, '-')}. Raw data: {work / 'results.json'}.)",
     ]
-    if contention > 1.15:
+    if contention > 1.15 and a.device == "cpu":
         lines.append(
             f"(wall / CPU reached {contention:.2f}: other processes took CPU during the run, so the wall"
             " times are inflated and noisy; the CPU-time row is the one to compare.)"

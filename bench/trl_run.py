@@ -2,7 +2,7 @@
 
 Same model folder and tokenizer as gpufleet's `builtin:tiny-qwen2`, the same prompt stream as its
 `builtin:repeat` (in order), the same reward (`repeat/chars`), and TRL's fastest fair settings on CPU:
-no gradient checkpointing, no bf16, no reporting, no checkpoints, no progress bar, 0 data-loader workers.
+no gradient checkpointing, bf16 only with `--precision bf16`, no reporting, no checkpoints, no progress bar, 0 data-loader workers.
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def grpo_config(a: argparse.Namespace, p: Preset):
         seed=a.seed,
         data_seed=a.seed,
         shuffle_dataset=False,  # the same prompt order as gpufleet's builtin:repeat stream
-        # TRL's fastest fair settings on CPU
+        # TRL's fastest fair settings (bf16: autocast over fp32 weights, as gpufleet's train.precision=bf16)
         activation_checkpointing=False,  # transformers 5.23's name; TRL's default (True) is under the old one
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=a.precision == "bf16",
         fp16=False,
-        use_cpu=True,
+        use_cpu=a.device == "cpu",
         report_to="none",
         save_strategy="no",
         dataloader_num_workers=0,

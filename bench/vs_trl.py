@@ -3,6 +3,7 @@
     .venv/bin/python bench/vs_trl.py                       # preset speed: 40 steps x seeds 42,43,44, 1 torch thread
     .venv/bin/python bench/vs_trl.py --steps 20 --seeds 0 --lr 3e-3 --threads 2
     .venv/bin/python bench/vs_trl.py --preset learn        # 200 steps at the quickstart's first settings; both learn
+    python3 bench/vs_trl.py --preset gpu --device cuda --here --threads 8   # a GPU machine with TRL installed
 
 TRL is not a dependency of gpufleet. The first run creates `.bench-venv/` at the repository root (once,
 reused afterwards) with `torch==2.13.0 trl==1.16.0 accelerate==1.15.0` and gpufleet's own dependencies
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,7 +52,7 @@ import trl_run
 from benchvenv import BENCH, ROOT, SRC, child_env, in_bench_venv, reexec_in_bench_venv
 from measure import PRESETS, Preset, measure_startup
 from stats import MA_TARGET, auc, mean, med, steps_to_reach
-from summary import cpu_model, report, seeds_text, versions
+from summary import hardware, report, seeds_text, versions
 
 # Files: benchvenv.py (.bench-venv and the children's environment), gpufleet_run.py and trl_run.py (one
 # training run of each side, in a child process), measure.py (presets, step clock, result files, start-up
@@ -64,7 +66,7 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
     result = work / f"{kind}-seed{seed}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--seed", str(seed)]
     cmd += ["--preset", a.preset, "--steps", str(a.steps), "--lr", repr(a.lr), "--threads", str(a.threads)]
-    cmd += ["--out", str(out), "--result", str(result)]
+    cmd += ["--device", a.device, "--precision", a.precision, "--out", str(out), "--result", str(result)]
     log = work / f"{kind}-seed{seed}.log"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -75,6 +77,8 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"[vs_trl] {kind} seed {seed} failed (exit {rc}); log {log}:\n{tail}")
     r = json.loads(result.read_text())
+    if a.device == "cuda":  # a 0.5B model's checkpoint and final weights: GBs per run, all read already
+        shutil.rmtree(out, ignore_errors=True)
     r["process_s"] = time.perf_counter() - t0
     r["load_before"] = load
     r["load_after"] = os.getloadavg()[0]
@@ -96,7 +100,7 @@ def orchestrate(a: argparse.Namespace, p: Preset) -> None:
     """Materialize the model, time the start-ups, run both trainers seed by seed, print the summary."""
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="gpufleet-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"[vs_trl] {versions()}; {cpu_model()}, {os.cpu_count()} cores; torch threads {a.threads} (both)")
+    print(f"[vs_trl] {versions()}; {hardware(a)}; {a.device}; torch threads {a.threads} (both)")
     print(
         f"[vs_trl] preset {p.name}: {p.batch} completions/step ({p.batch // p.generations} prompts x {p.generations} generations), "
         f"{p.completion_tokens} completion tokens, lr {a.lr:g}, {a.steps} steps, seeds {seeds_text(a)}"
@@ -111,6 +115,7 @@ def orchestrate(a: argparse.Namespace, p: Preset) -> None:
     subprocess.run([sys.executable, "-c", materialize], env=env, cwd=BENCH, check=True)
     peak_file = work / "gemm_peak.json"
     gemm = [sys.executable, str(BENCH / "gemm_peak.py"), "--preset", p.name, "--threads", str(a.threads)]
+    gemm += ["--device", a.device, "--dtype", "bfloat16" if a.precision == "bf16" else "float32"]
     subprocess.run([*gemm, "--json", str(peak_file)], env=env, cwd=BENCH, check=True)
     peak = json.loads(peak_file.read_text())
 
@@ -138,8 +143,9 @@ def parse_args() -> argparse.Namespace:
         choices=tuple(PRESETS),
         default="speed",
         help="shared settings: speed (default; tiny-qwen2, 8 completions/step, 32 tokens, 40 steps), small "
-        "(a 3.2M-parameter Qwen2, 16 completions/step, G 8, 64 tokens, beta 0.04, 20 steps) or learn "
-        "(the quickstart's first settings: 16 prompts x 8 generations, 8 tokens, 200 steps)",
+        "(a 3.2M-parameter Qwen2, 16 completions/step, G 8, 64 tokens, beta 0.04, 20 steps), learn "
+        "(the quickstart's first settings: 16 prompts x 8 generations, 8 tokens, 200 steps) or gpu (the "
+        "small preset's batch on Qwen2.5-0.5B's shapes, 10 steps; with --device cuda)",
     )
     ap.add_argument(
         "--steps",
@@ -170,6 +176,21 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--startup-runs", type=int, default=5, help="runs of each start-up command (0 = skip)")
     ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where both trainers run (default cpu)"
+    )
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 (default), or bf16 autocast over fp32 weights in both (gpufleet train.precision, TRL bf16)",
+    )
+    ap.add_argument(
+        "--here",
+        action="store_true",
+        help="run under this interpreter (its torch, transformers, TRL) instead of .bench-venv: a GPU "
+        "machine without network access",
+    )
+    ap.add_argument(
         "--out", default=None, help="work dir for runs, logs, results.json (default: a new /tmp dir)"
     )
     ap.add_argument(
@@ -191,7 +212,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     p = PRESETS[a.preset]
-    if a.worker is None and not in_bench_venv():
+    if a.worker is None and not a.here and not in_bench_venv():
         reexec_in_bench_venv(Path(__file__), sys.argv[1:])  # does not return
     if a.worker == "gpufleet":
         gpufleet_run.run(a, p)

@@ -59,3 +59,30 @@ def test_floor():
     assert "250 ms per step with every FLOP at the peak (0.25 of TRL's step); 400 ms (0.40)" in line
     assert "(30.0 GFLOP/s)" in line and "needs 60.0 GFLOP/s over the whole step: 50% of the peak" in line
     assert "needs" not in floor_lines({"generate": 6e9, "total": 30e9}, peak, 1.0, None)[0]
+
+
+def test_phase_table_on_a_gpu_uses_wall_time():
+    """On a GPU (`gemm_peak.py --device cuda`) the whole-step figures divide by wall time per step, not by
+    the launching thread's CPU time; on the CPU, by CPU time."""
+    from phases import phase_table
+
+    # one step after warm-up: 1.0 s wall, 0.25 s CPU; FLOPs of the step at CFG, batch 2, prompt 2,
+    # longest completion 3, beta 0.04 (test_step): 3200 + 4 x forward
+    forward = 2 * (2 * 144 * 5 + 2 * 40 * 4 + 4 * 4 * 25)
+    total = 3200 + 4 * forward
+    run = {
+        "step_time": [9.0, 1.0],
+        "cpu_step_time": [9.0, 0.25],
+        "max_length": [3, 3],
+        "timing": {"timing/generate": [0.0, 0.5], "timing/backward": [0.0, 0.5]},
+    }
+    shapes = [{"name": "decode q/o", "cpu_flops": 1e3}]
+    gpu = {"peak_cpu": 1e4, "peak_wall": 1e4, "square_cpu": 1e4, "square": 8192, "threads": 8}
+    gpu |= {"device": "cuda", "dtype": "bfloat16", "shapes": shapes}
+    lines = phase_table(CFG, 2, 2, 0.04, [run], [run], 1, gpu)
+    step = next(x for x in lines if x.startswith("| **gpufleet, whole step**"))
+    assert "(wall time)" in step and f"| 1000 | {total / 1.0 / 1e9:.1f} |" in step
+    assert "bfloat16, cuda" in lines[0] and "8192^3 square" in lines[0]
+    cpu = gpu | {"device": "cpu", "dtype": "float32", "square": 1024}
+    step = next(x for x in phase_table(CFG, 2, 2, 0.04, [run], [run], 1, cpu) if "gpufleet, whole" in x)
+    assert "(CPU time)" in step and "| 250 |" in step
