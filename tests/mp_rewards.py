@@ -35,3 +35,12 @@ def slow_on_rank1(prompts, completions, **kw):
     if os.environ.get("RANK") == "1":
         time.sleep(0.4)
     return length(prompts, completions)
+
+
+def abort_on_rank1(prompts, completions, **kw):
+    """Native code crashing on rank 1 (os.abort: SIGABRT, no Python exception, no error record)."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        os.abort()
+    return [0.0] * len(completions)

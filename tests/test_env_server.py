@@ -264,7 +264,10 @@ def test_killed_server_is_restarted_and_episodes_replayed_exactly(tmp_path, capf
         assert pool.stats["lost"] == pool.stats["duplicated"] == 0
         listed = json.loads(servers.servers_json.read_text())["servers"]
         assert listed[0]["pid"] == servers.pids()[0] != victim
-        assert f"env server 0 died (exit -9); restarted on {servers.addresses()[0]}" in capfd.readouterr().err
+        assert (
+            f"env server 0 was killed by SIGKILL (signal 9); restarted on {servers.addresses()[0]}"
+            in capfd.readouterr().err
+        )
         pids = servers.pids()
     assert all(gone(p) for p in pids + [victim])
 

@@ -231,7 +231,7 @@ def test_a_server_killed_mid_run_is_restarted_and_changes_nothing(tmp_path):
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, (tmp_path / "run.log").read_text()
     out = (tmp_path / "run.log").read_text()
-    assert "env server 0 died" in out and "restarted" in out, out
+    assert "env server 0 was killed by SIGKILL (signal 9)" in out and "restarted" in out, out
     a, b = weights(ref), weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["reward"] for x in metrics(ref)] == [x["reward"] for x in metrics(run)]

@@ -83,8 +83,12 @@ def test_global_batch_is_said_and_can_be_pinned(tmp_path):
         cwd=home,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "2 steps x 16 completions" in p.stdout
+    assert "2 steps x 16 completions" in p.stdout and "completions per optimizer step" not in p.stdout
     assert p.stdout.count("done: reward") == 1 and "model:" in p.stdout
+    # unpinned, train says what check says: the batch doubled with the second rank
+    p = run_user("train", "job.yaml", *two, *sets("train.max_steps=1", "output.dir=run2"), cwd=home)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "32 completions per optimizer step = per_device_batch 16 x 2 policy ranks" in p.stdout
     p = run_user(
         "check", "job.yaml", "--gpus", "cpu", "--set", "launch.nproc_per_node=3", *pinned[2:], cwd=home
     )

@@ -142,6 +142,7 @@ CAUSES = {
     ),
     "missing": ("import not_installed_pkg_xyz\n", "pip install not_installed_pkg_xyz"),
     "killed": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "killed by SIGKILL"),
+    "abort": ("import os\nos.abort()\n", "the command was killed by SIGABRT (signal 6)"),
     "loader": (
         "import os, signal, torch\nfrom torch.utils.data import DataLoader, Dataset\n"
         "class D(Dataset):\n    def __len__(self): return 8\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.monitor.watch import bar, sparkline
+from gpufleet.monitor.watch import bar, sparkline, value_range
 from helpers import console_script, process_env, run_user
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sparkline_and_bar_by_hand():
     assert sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
     assert sparkline([2.0, 2.0]) == "▁▁" and sparkline([]) == ""
-    assert sparkline(list(range(100)), width=5) == "▁▃▅▆█"
+    assert sparkline(list(range(100)), width=5) == "▁▃▅▆█"  # means of 0-19, 20-39, ...: 9.5 .. 89.5
+    # the whole run, not its last `width` values: a rise early on stays visible
+    assert sparkline([0.0] * 10 + [1.0] * 90, width=10) == "▁█████████"
+    assert value_range(list(range(100)), width=5) == "9.5 .. 89.5" and value_range([]) == "-"
+    assert value_range([0.5, float("nan"), 0.51]) == "0.5 .. 0.51"
     assert bar(0.5, 10) == "█████░░░░░" and bar(1.7, 4) == "████"
 
 

@@ -176,6 +176,23 @@ def test_failing_rank_stops_everything(tmp_path):
     assert not (run / "final").exists()
 
 
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named(tmp_path):
+    """A rank that dies by a signal leaves no error record: the summary names the rank and the signal
+    (torchrun's failure summary), not only "a worker died"."""
+    run = tmp_path / "run"
+    p = train(
+        run,
+        "train.per_device_batch=8",
+        "launch.nproc_per_node=2",
+        "reward.functions=repeat/chars,mp_rewards:abort_on_rank1",
+        timeout=120,
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "rank 1 was killed by SIGABRT (signal 6) without an error record" in p.stderr, p.stderr
+    assert not (run / "final").exists()
+
+
 def test_print_launch(tmp_path):
     env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
     argv = [
@@ -193,12 +210,18 @@ def test_print_launch(tmp_path):
         "launch.rdzv_endpoint=node0:29400",
         "--set",
         "train.per_device_batch=8",
+        "--set",
+        f"output.dir={tmp_path / 'run'}",
     ]
     p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "# node 0:" in p.stdout and "# node 1:" in p.stdout
     assert "--rdzv-backend c10d --rdzv-endpoint node0:29400" in p.stdout and "--nproc-per-node 4" in p.stdout
-    assert not (tmp_path / "run").exists()
+    # only the resolved job both nodes' commands read is written (tests/test_print_launch.py runs one)
+    assert [str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file()] == [
+        "run/print-launch/job.yaml"
+    ]
+    assert p.stdout.count(f"--worker {tmp_path / 'run' / 'print-launch' / 'job.yaml'}") == 2
 
 
 @pytest.mark.slow

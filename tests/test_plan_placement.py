@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -98,13 +99,19 @@ def test_note001_two_gpu_layout_refused_then_fixed(capsys):
     assert code == 2
     assert "device 2 does not exist" in out and "layouts that fit this hardware" in out
     commands = [line.split(": ", 1)[1] for line in out.splitlines() if line.strip()[:2] in ("1.", "2.", "3.")]
-    assert commands and "--set placement.reference=1 --set placement.allow_shared_devices=true" in commands[0]
+    shared = [
+        c for c in commands if "--set placement.reference=1 --set placement.allow_shared_devices=true" in c
+    ]
+    assert len(commands) == 3 and len(shared) == 1
+    # fastest expected first: colocate (~1x) before sharing device 1 (~1.1x) before one policy GPU (~2x)
+    costs = [float(x) for x in re.findall(r"~([\d.]+)x the time per completion", out)]
+    assert costs == sorted(costs) and len(costs) == 3, out
     for command in commands:
         gpus, sets = split_command(command)
         code, again = run_plan(capsys, GSPO, gpus or "2x16GB", *sets)
         assert code == 0, again
     # The note's 2-GPU layout: GPU 1 holds policy rank 1 and the reference scorer.
-    _, sets = split_command(commands[0])
+    _, sets = split_command(shared[0])
     code, out = run_plan(capsys, GSPO, "2x16GB", *sets, fmt="json")
     devices = {d["device"]: d for d in json.loads(out)["plan"]["devices"]}
     assert devices["1"]["roles"] == ["policy rank 1", "scorer: reference"]

@@ -293,13 +293,14 @@ REWARD_MODULES = [
         "wrong-signature",
         "def f(prompts):\n    return []\n",
         "bad:f",
-        "cannot be called as fn(prompts, completions",
+        "f(prompts) has no parameter for 'completions', 'completion_ids', 'answer', which gpufleet passes "
+        "by keyword",
     ),
     (
         "no-kwargs-for-columns",
         "def f(prompts, completions):\n    return []\n",
         "bad:f",
-        "unexpected keyword argument 'answer'",
+        "has no parameter for 'completion_ids', 'answer'",
     ),
 ]
 

@@ -1,7 +1,7 @@
 """gpufleet command line: parse, then call one function per verb.
 
     gpufleet check JOB [--set s.f=v ...] [--gpus SPEC]     every problem at once; exit 2 if any error
-    gpufleet config JOB [--set ...] [--format table|yaml|json] [--explain]   resolved job, source of each value
+    gpufleet config JOB [--set ...] [--format table|yaml|json] [--explain [FIELD]]   resolved job, source of each value
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
     gpufleet export RUN_DIR --to DIR [--step N] [--merge]  a checkpoint as a Hugging Face model folder
@@ -76,10 +76,16 @@ def _info_verbs(sub) -> None:
         "check every rule of a job before anything loads; exit 2 on any error",
         f"hardware to check against: {what_if}",
     )
-    c = job_verb("config", "print the resolved job and where each value came from", "")
+    c = job_verb("config", "print the resolved job and where each value came from", "", job_optional=True)
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
     c.add_argument(
-        "--explain", action="store_true", help="with the table: each field's documentation under it"
+        "--explain",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="FIELD",
+        help="each field's documentation and choices (table: under it; yaml: as comments; json: 'doc'); "
+        "FIELD (train.lr_scheduler) or SECTION (train) for those only, with or without a job",
     )
     c = job_verb(
         "plan",
@@ -205,6 +211,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return EXIT_USER_ERROR
 
 
+def _names_a_file(text: str) -> bool:
+    return text.endswith((".yaml", ".yml")) or os.path.isfile(text)
+
+
 def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -> int:
     """Call the verb's function (imported here, so that `check` never imports torch)."""
     if args.verb == "check":
@@ -214,7 +224,10 @@ def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -
     if args.verb == "config":
         from gpufleet.verbs.config import show_config
 
-        return show_config(args.job, args.sets, args.format, env, explain=args.explain)
+        job, explain = args.job, args.explain
+        if job is None and isinstance(explain, str) and _names_a_file(explain):
+            job, explain = explain, True  # `config --explain job.yaml`: the flag, then the job
+        return show_config(job, args.sets, args.format, env, explain=explain)
     if args.verb == "plan":
         from gpufleet.verbs.plan import plan_command
 

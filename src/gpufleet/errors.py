@@ -18,6 +18,7 @@ class UserError(Exception):
         self.message = message
         self.fix = fix
         text = message if field is None or message.startswith(field) else f"{field}: {message}"
-        if fix:
-            text = f"{text} Fix: {fix}"
+        if fix:  # "... it would fit. Fix: ...": the message ends its sentence before the fix
+            end = "" if text.rstrip().endswith((".", "!", "?", ":")) else "."
+            text = f"{text.rstrip()}{end} Fix: {fix}"
         super().__init__(text)

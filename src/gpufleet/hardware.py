@@ -343,17 +343,28 @@ def resolve_hardware(spec: str | None, env: Mapping[str, str] | None = None, nvm
     return parse_gpu_spec(spec)
 
 
-def hardware_here(gpus: str, env: Mapping[str, str], verb: str) -> Hardware:
+def hardware_here(gpus: str, env: Mapping[str, str], verb: str, job: str | None = None) -> Hardware:
     """What `train` / `launch` run on: the hardware that is here, `auto` (detect) or `cpu`. A what-if spec
-    is refused (it is fine with --print-launch / --dry-run, which run nothing)."""
+    is refused, naming the command that answers it: for `train`, `plan` / `check` (and --print-launch);
+    for `launch`, its --dry-run (a script job has no memory model for plan to use)."""
     if gpus.strip().lower() not in ("auto", "cpu"):
+        import shlex
+
         from gpufleet.errors import UserError
 
         here = resolve_hardware("auto", env)
+        spec, name = shlex.quote(gpus), shlex.quote(job or "JOB")
+        dry = f"{name} --dry-run --gpus {spec}" if job else f"--dry-run --gpus {spec} -- CMD"
+        ask = (
+            f"use `gpufleet launch {dry}` to check it and print the scaled recipe and the command for that "
+            "hardware, running nothing"
+            if verb == "launch"
+            else f"use `gpufleet plan {name} --gpus {spec}` or `gpufleet check {name} --gpus {spec}` to ask "
+            f"whether it would fit, or `gpufleet train {name} --gpus {spec} --print-launch` for the command"
+        )
         raise UserError(
             f"--gpus {gpus!r}: {verb} runs on the hardware that is here ({here.describe()}), not on a what-if "
-            f"spec; use `gpufleet plan JOB --gpus {gpus}` or `gpufleet check JOB --gpus {gpus}` to ask "
-            "whether it would fit",
+            f"spec; {ask}.",
             fix="--gpus auto (detect) or --gpus cpu",
         )
     return resolve_hardware(gpus, env)

@@ -8,13 +8,15 @@ PYTHONPATH. A file path is relative to the job file's folder when the job file w
 directory when a flag did (`config.load` makes it absolute, so every rank sees the same file). Every way
 it can fail is one `UserError` on `reward.functions`: module not found, the module raising while it is
 imported (the exception and the file:line in the user's code, not gpufleet's traceback), the name
-missing, not callable, or a signature that cannot take `fn(prompts, completions, **columns)`.
-`import_object` is the same for any named callable, reporting on the field the caller names.
-No torch import here.
+missing, not callable, or a signature that cannot take the call TRL 1.16's GRPOTrainer makes and
+`call_reward` makes here: every argument by keyword, `fn(prompts=, completions=, completion_ids=,
+**columns)` (`reward_columns`: which data columns). `import_object` is the same for any named callable,
+reporting on the field the caller names. No torch import here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import importlib
 import importlib.util
@@ -29,7 +31,11 @@ from gpufleet.errors import UserError
 from gpufleet.watchdog import HEARTBEAT_EVERY, Overdue, deadline, where_stuck
 
 FIELD = "reward.functions"
-CALL = "fn(prompts, completions, **columns)"
+PASSED = ("prompts", "completions", "completion_ids")
+"""The keywords every reward function gets besides the data's columns (TRL 1.16's names)."""
+CALL = "fn(prompts=..., completions=..., completion_ids=..., **columns)"
+TRL_ONLY = ("trainer_state", "log_extra", "log_metric", "environments")
+"""Keywords TRL 1.16 passes too and gpufleet does not."""
 
 
 def split(ref: str) -> tuple[str, str]:
@@ -72,14 +78,43 @@ def pythonpath(folders: Iterable[str], env: Mapping[str, str]) -> str:
     return os.pathsep.join(dict.fromkeys(parts))
 
 
+def reward_columns(names: Iterable[str], prompt_field: str = "prompt") -> list[str]:
+    """The data columns (of `names`, in order) a reward function receives by keyword: every one but the
+    prompt's, as TRL (which leaves out `prompt`, `completion` and `completion_ids`), and none that would
+    clash with a keyword of `PASSED`. `gpufleet check` and the trainer both bind rewards with these."""
+    skip = {prompt_field, "prompt", "completion", *PASSED}
+    return [c for c in names if c not in skip]
+
+
+def call_reward(
+    fn: Callable,
+    prompts: Sequence,
+    completions: Sequence,
+    completion_ids: Sequence | None,
+    columns: Mapping[str, Sequence],
+):
+    """Call one reward function as TRL 1.16's GRPOTrainer does: every argument by keyword,
+    `fn(prompts=, completions=, completion_ids=, **columns)` (`columns` from `reward_columns`). An
+    `async def` function (or one returning an awaitable) is run to completion, as TRL awaits it."""
+    out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_awaited(out))
+    return out
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def import_function(
     name: str,
     columns: Sequence[str] | None = None,
     folders: Sequence[str] | None = None,
     timeout: float | None = None,
 ) -> Callable:
-    """The reward function `name` (`module:function` or `file.py:function`) points at; `columns`: the
-    dataset columns passed by keyword (when known, the signature is checked against them too);
+    """The reward function `name` (`module:function` or `file.py:function`) points at, its signature
+    checked against `call_reward`'s call; `columns`: the data columns passed by keyword (`reward_columns`;
+    None when they cannot be known: then a parameter the call does not fill may still be a column);
     `folders`: where modules are looked for first (default: the working directory); `timeout`: seconds
     the import may take (reward.timeout)."""
     fn = import_object(name, folders, timeout=timeout)
@@ -236,18 +271,63 @@ def _import_failed(err, module_name: str, e: BaseException) -> RewardImportError
 
 
 def _check_signature(name: str, fn: Callable, columns: Sequence[str] | None) -> None:
+    """Refuse, in one line naming the parameter and the fix, a signature `call_reward` cannot call (TRL
+    1.16 could not either, short of the keywords of TRL_ONLY, which gpufleet does not pass)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: nothing to read
         return
-    kwargs = {c: [] for c in columns or ()}
-    try:
-        sig.bind([], [], **kwargs)
+    problem = _unbindable(getattr(fn, "__name__", None) or split(name)[1], sig, columns)
+    if problem is not None:
+        raise _error(name, *problem)
+
+
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _unbindable(label: str, sig: inspect.Signature, columns: Sequence[str] | None) -> tuple[str, str] | None:
+    """(why, fix) when `sig` cannot take the keywords `call_reward` passes; None when it can. With
+    `columns` None (the data could not be read) a required parameter is not refused: it may be a column."""
+    given = [*PASSED, *(columns or ())]
+    params = list(sig.parameters.values())
+    has = f"{label}{sig}"
+    rest = ", ".join(str(p.replace(annotation=p.empty)) for p in params if p.kind is not p.VAR_KEYWORD)
+    with_kwargs = f"def {label}({rest + ', ' if rest else ''}**kwargs)"
+    keywordable = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if only:
+        return (
+            f"{has} has positional-only parameters ({_quoted(only)}, before '/'), but rewards are called "
+            f"by keyword, as TRL does: {CALL}",
+            f"remove the '/' from the def of {label}",
+        )
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = [k for k in given if k not in keywordable]
+        if unknown:
+            return (
+                f"{has} has no parameter for {_quoted(unknown)}, which gpufleet passes by keyword, as TRL "
+                f"does: {CALL}" + (f" with the data's columns {', '.join(columns)}" if columns else ""),
+                f"add **kwargs: {with_kwargs}",
+            )
+    if columns is not None:
+        missing = [n for n, p in keywordable.items() if p.default is p.empty and n not in given]
+        if missing:
+            first = missing[0]
+            why = (
+                f"TRL's {first!r}, which gpufleet does not pass"
+                if first in TRL_ONLY
+                else f"{first!r}, which is not a column of the data (its columns: "
+                f"{', '.join(columns) or 'none besides the prompt'})"
+            )
+            fix = (
+                f"drop the parameter and read kwargs.get({first!r}) (None under gpufleet)"
+                if first in TRL_ONLY
+                else f"add a {first!r} column to the data, or give the parameter a default ({first}=None)"
+            )
+            return f"{has} needs the argument {why}; it gets {CALL}", fix
+    try:  # whatever the cases above missed
+        (sig.bind if columns is not None else sig.bind_partial)(**dict.fromkeys(given))
     except TypeError as e:
-        has = f"{getattr(fn, '__name__', name)}{sig}"
-        extra = f" with the dataset columns {', '.join(columns)}" if columns else ""
-        raise _error(
-            name,
-            f"{has} cannot be called as {CALL}{extra} ({e})",
-            "def fn(prompts, completions, **kwargs) -> list[float | None]",
-        ) from None
+        return f"{has} cannot be called as {CALL} ({e})", f"write it as {with_kwargs}"
+    return None

@@ -14,16 +14,22 @@ from typing import Any
 
 import yaml
 
-from gpufleet.config.problems import FieldRef, Problem, Source
+from gpufleet.config.problems import FieldRef, Problem, Source, format_value
 from gpufleet.config.schema import SECTIONS, field_paths
 from gpufleet.errors import UserError
 
 ENV_PREFIX = "GPUFLEET_"
 _NULLS = ("null", "none", "~")
+_NO_VALUE = object()
 
 
-def _unknown_key(key: str, src: Source, section: str | None) -> Problem:
-    """An unknown key with a "did you mean": the same section first, then any section."""
+def _unknown_key(key: str, src: Source, section: str | None, value: Any = _NO_VALUE) -> Problem:
+    """An unknown key: TRL's name for a gpufleet field (gpufleet.config.trl) says which; otherwise a "did
+    you mean" from the same section first, then any section."""
+    shown = key if section is None else f"{section}.{key}"
+    trl = _trl_problem(key, shown, section, value, src)
+    if trl is not None:
+        return trl
     paths = field_paths()
     suggestion = None
     if section is None:
@@ -33,7 +39,6 @@ def _unknown_key(key: str, src: Source, section: str | None) -> Problem:
             suggestion = match[0] if match[0] in SECTIONS or "." in match[0] else _owner(match[0])
         what = f"unknown section {key!r}"
         known = f"sections are {', '.join(SECTIONS)}"
-        shown = key
     else:
         fields = list(SECTIONS[section].model_fields)
         scored = [(_ratio(key, f), 1, f"{section}.{f}") for f in fields]
@@ -42,11 +47,66 @@ def _unknown_key(key: str, src: Source, section: str | None) -> Problem:
         suggestion = best if score >= 0.6 else None
         what = f"unknown field {key!r} in section {section!r}"
         known = f"{section} has {', '.join(fields)}"
-        shown = f"{section}.{key}"
     fix = f"did you mean {suggestion}?" if suggestion else f"remove it; {known}"
     if suggestion and src.kind == "env":
         fix += f" ({ENV_PREFIX}{suggestion.upper().replace('.', '__')})"
-    return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix)
+    found = {"suggestion": suggestion} if suggestion else {}
+    return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix, found)
+
+
+def unknown_name(name: str, src: Source) -> Problem:
+    """The problem of `name` (`section.field` or a bare name) when it is no job field: TRL's name for one, the
+    nearest field, or the list; `extra["suggestion"]` holds the field it points at, if any."""
+    section, dot, key = name.partition(".")
+    if dot and section in SECTIONS:
+        return _unknown_key(key, src, section)
+    return _unknown_key(name, src, None)
+
+
+def _trl_problem(key: str, shown: str, section: str | None, value: Any, src: Source) -> Problem | None:
+    """`shown` is TRL's option `key`: gpufleet's field for it and the value to write there, or that gpufleet
+    has none. In `script:` (a `gpufleet launch` recipe) a TRL name points at the script's own field when it
+    has one, and is otherwise left to the "did you mean"."""
+    from gpufleet.config.trl import lookup
+
+    option = lookup(key)
+    if option is None:
+        return None
+    ref = [FieldRef(shown, "(unknown key)", src)]
+    target = option.field
+    if section == "script" and target is not None:
+        mine = f"script.{target.split('.', 1)[1]}"
+        if mine not in field_paths():
+            return None
+        target = mine
+    if target is not None and target.split(".", 1)[1] == key:
+        return None  # gpufleet's name too, only the section is wrong: the "did you mean" finds it
+    if target is None:
+        why = f"`{shown}` is TRL's {key}; gpufleet has no field for it: {option.note}."
+        return Problem("error", ref, why, option.fix or "remove it")
+    note = f" ({option.note})" if option.note and target == option.field else ""
+    why = f"`{shown}` is TRL's name: gpufleet's is `{target}`{note}."
+    converted = None
+    if value is not _NO_VALUE and option.convert is not None:
+        converted = option.convert(value)
+    if converted is not None:
+        fix = _write(target, converted, src)
+    elif option.fix and value is not _NO_VALUE:
+        fix = option.fix.format(value=format_value(value))
+    else:
+        fix = f"set {target} instead"
+    return Problem("error", ref, why, fix, {"suggestion": target})
+
+
+def _write(path: str, value: Any, src: Source) -> str:
+    """How to give `path` the value `value` in the layer `src` came from."""
+    section, name = path.split(".", 1)
+    text = format_value(value)
+    if src.kind == "env":
+        return f"{ENV_PREFIX}{section.upper()}__{name.upper()}={text.replace(' ', '')} instead"
+    if src.kind == "flag":
+        return f"--set {path}={text.replace(' ', '')} instead"
+    return f"write `{name}: {text}` under `{section}:` instead"
 
 
 def _ratio(a: str, b: str) -> float:
@@ -65,7 +125,7 @@ def _add(layer, problems, section: Any, key: Any, value: Any, src: Source) -> No
     if section_s not in SECTIONS:
         problems.append(_unknown_key(section_s, src, None))
     elif key_s not in SECTIONS[section_s].model_fields:
-        problems.append(_unknown_key(key_s, src, section_s))
+        problems.append(_unknown_key(key_s, src, section_s, value))
     else:
         layer[f"{section_s}.{key_s}"] = (value, src)
 
@@ -171,7 +231,7 @@ def file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Sour
             )
             continue
         if str(section) not in SECTIONS:
-            problems.append(_unknown_key(str(section), Source("file", where), None))
+            problems.append(_unknown_key(str(section), Source("file", where), None, body))
             continue
         for key, value in body.items():
             src = Source("file", f"{path}:{lines.get((str(section), str(key)), 1)}")
@@ -247,13 +307,20 @@ def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[
         path, eq, value = item.partition("=")
         section, dot, key = path.strip().partition(".")
         src = Source("flag", f"--set {item}")
+        if eq and not dot and section:
+            trl = _trl_problem(section.strip(), section.strip(), None, _parse_text(value), src)
+            if trl is not None:  # `--set bf16=true`: TRL's name, without a section
+                problems.append(trl)
+                continue
         if not eq or not dot or not section or not key:
             problems.append(
                 Problem(
                     "error",
                     [FieldRef(path.strip() or item, item, src)],
                     f"--set takes section.field=value, got {item!r}.",
-                    "write it like --set train.per_device_batch=4",
+                    f"--set {_owner(section.strip())}={value.strip()}"
+                    if eq and not dot and _owner(section.strip()) != section.strip()
+                    else "write it like --set train.per_device_batch=4",
                 )
             )
             continue

@@ -52,8 +52,13 @@ def load_job(
     job_path: str | os.PathLike | None,
     sets: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    *,
+    anchor: bool = True,
 ) -> Resolved:
-    """Resolve defaults < file < Slurm < env < flags into a `Resolved` job (see the module docstring)."""
+    """Resolve defaults < file < Slurm < env < flags into a `Resolved` job (see the module docstring).
+    `anchor=False`: the file is a job gpufleet already resolved (the run's job.yaml a torchrun worker
+    reads): its paths are final (the job file's made absolute, a flag's relative to the working directory,
+    which the ranks share with the launcher), not relative to the file's folder again."""
     env = os.environ if env is None else env
     problems: list[Problem] = []
     layers: list[dict[str, tuple[Any, Source]]] = []  # lowest first
@@ -80,7 +85,7 @@ def load_job(
     job = Job(**sections)
     resolved = Resolved(job=job, sources=sources, problems=problems, job_path=path)
     _apply_presets(resolved)
-    if path is not None:
+    if path is not None and anchor:
         _anchor_paths(resolved, path.resolve().parent)
     return resolved
 
@@ -88,11 +93,12 @@ def load_job(
 _DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".gz", ".bz2", ".xz")
 
 
-def _anchor_paths(resolved: Resolved, base: Path) -> None:
+def _anchor_paths(resolved: Resolved, base: Path, kinds: tuple[str, ...] = ("file",)) -> None:
     """Paths the job file wrote are relative to the job file's folder, not to the working directory
     (flags and environment values stay relative to the working directory). They become absolute here,
     so every rank, every message and the run's job.yaml see the same path. A value that names no local
-    file (a hub id like Qwen/Qwen2.5-0.5B) is left alone; `output.dir` follows the working directory."""
+    file (a hub id like Qwen/Qwen2.5-0.5B) is left alone; `output.dir` follows the working directory.
+    `kinds`: the layers whose paths are made absolute against `base`."""
     from gpufleet.usercode import anchored
 
     def local(value: str) -> str:
@@ -105,17 +111,54 @@ def _anchor_paths(resolved: Resolved, base: Path) -> None:
     job = resolved.job
     for section, name in (("model", "path"), ("data", "path"), ("reward", "model"), ("env", "token_file")):
         value = getattr(getattr(job, section), name)
-        if value and resolved.source(f"{section}.{name}").kind == "file":
+        if value and resolved.source(f"{section}.{name}").kind in kinds:
             setattr(getattr(job, section), name, local(value))
-    if resolved.source("reward.functions").kind == "file":
+    if resolved.source("reward.functions").kind in kinds:
         job.reward.functions = [anchored(f, base) if ":" in f else f for f in job.reward.functions]
     name = job.env.name
-    if (
-        name
-        and resolved.source("env.name").kind == "file"
-        and not name.startswith(("builtin:", "gymnasium:"))
-    ):
+    if name and resolved.source("env.name").kind in kinds and not name.startswith(("builtin:", "gymnasium:")):
         job.env.name = anchored(name, base)
+
+
+def portable(resolved: Resolved, cwd: Path | None = None) -> tuple[Resolved, dict[str, str]]:
+    """A copy of the job whose paths resolve from any folder (what `gpufleet config --format yaml` writes, a
+    file the user may move): paths a flag or the environment gave (relative to the working directory `cwd`)
+    made absolute, as the job file's already are, and a user module a reward or env names (`mymod:fn`, found
+    in the job file's folder or the working directory, which are searched first) written as its file
+    (`/abs/mymod.py:fn`). A module that is a package or dotted cannot be named by its file: the note
+    (field -> text) says where it is. `output.dir` stays relative to the working directory (results land
+    where you run). (The run's own job.yaml needs none of this: its ranks share the launcher's working
+    directory and get those folders on their PYTHONPATH.)"""
+    from gpufleet import usercode
+
+    cwd = Path.cwd() if cwd is None else cwd
+    out = Resolved(
+        resolved.job.model_copy(deep=True), dict(resolved.sources), list(resolved.problems), resolved.job_path
+    )
+    _anchor_paths(out, cwd.resolve(), kinds=("env", "flag"))
+    folders = [Path(f) for f in usercode.roots(resolved.job_path)]
+    notes: dict[str, list[str]] = {}
+
+    def home(ref: str, path: str) -> str:
+        where, attr = usercode.split(ref)
+        if not where or usercode.is_file(where) or ref.startswith(("builtin:", "gymnasium:")):
+            return ref
+        top = where.split(".", 1)[0]
+        found = next((f for f in folders if (f / f"{top}.py").is_file() or (f / top).is_dir()), None)
+        if found is None:  # installed, or on PYTHONPATH: the same from any folder
+            return ref
+        file = found.resolve() / f"{where}.py"
+        if "." not in where and file.is_file():
+            notes.setdefault(path, []).append(f"{ref} is {file}")
+            return f"{file}:{attr}"
+        notes.setdefault(path, []).append(f"{where} is imported from {found.resolve()}: put it on PYTHONPATH")
+        return ref
+
+    job = out.job
+    job.reward.functions = [home(f, "reward.functions") for f in job.reward.functions]
+    if job.env.name:
+        job.env.name = home(job.env.name, "env.name")
+    return out, {path: "; ".join(said) for path, said in notes.items()}
 
 
 def _validate_section(name, cls, candidates, problems):
@@ -185,6 +228,20 @@ def _how(path: str, value: Any, src: Source) -> str:
     if src.kind == "file":
         return f"write `{path.split('.', 1)[1]}: {format_value(value)}` at {src.detail}"
     return f"--set {path}={text}"
+
+
+def field_choices(path: str) -> tuple[list[str], str, bool]:
+    """A field's named choices (its Literal words), what else it takes besides them ('' when nothing: "a
+    whole number", "a list such as 0,1,2") and whether null is allowed."""
+    from typing import Literal, get_args, get_origin
+
+    section, name = path.split(".", 1)
+    annotation = SECTIONS[section].model_fields[name].annotation
+    words = _literal_choices(annotation)
+    args = get_args(annotation) if get_origin(annotation) is not Literal else ()
+    rest = [a for a in args if a is not type(None) and get_origin(a) is not Literal]
+    nullable = type(None) in args
+    return words, _expected(str(annotation), "") if words and rest else "", nullable
 
 
 def _literal_choices(annotation) -> list[str]:

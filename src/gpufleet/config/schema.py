@@ -79,9 +79,9 @@ class DataSection(Section):
 
 class RewardSection(Section):
     functions: StrList = Field(default_factory=list)
-    """Reward functions: `module:function` import paths with the TRL signature
-    `fn(prompts, completions, **columns) -> list[float | None]`, or built-in names (`repeat/match`).
-    Empty with a `builtin:` dataset: that task's own rewards."""
+    """Reward functions: `module:function` import paths, called by keyword as TRL does:
+    `fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, or built-in names
+    (`repeat/match`). Empty with a `builtin:` dataset: that task's own rewards."""
 
     weights: FloatList | None = None
     """One weight per reward function (then one for `model`, if set). None: all 1.0."""

@@ -37,6 +37,7 @@ from typing import IO, Any
 import gpufleet
 from gpufleet.env.wire import health, write_atomic
 from gpufleet.errors import UserError
+from gpufleet.launch.diagnose import how_it_ended
 
 POLL_S = 0.25
 STOP_WAIT_S = 5.0
@@ -187,7 +188,7 @@ class EnvServers:
         while True:
             code = proc.poll()
             if code is not None:
-                raise _StartFailed(self._failure(i, f"exited with code {code} while starting"))
+                raise _StartFailed(self._failure(i, f"{how_it_ended(code)} while starting"))
             if self._stopping.is_set():
                 raise _StartFailed(f"env server {i}: stopped while starting")
             address = self._address(ready, proc.pid)
@@ -236,7 +237,7 @@ class EnvServers:
         except _StartFailed as e:
             if not self._stopping.is_set():
                 print(
-                    f"env server {i} died (exit {code}); restarting it failed: {e}",
+                    f"env server {i} {how_it_ended(code)}; restarting it failed: {e}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -246,7 +247,7 @@ class EnvServers:
             self._addresses[i] = address
             self.restarts += 1
         self._write_servers_json()
-        print(f"env server {i} died (exit {code}); restarted on {address}", file=sys.stderr, flush=True)
+        print(f"env server {i} {how_it_ended(code)}; restarted on {address}", file=sys.stderr, flush=True)
 
     def _write_servers_json(self) -> None:
         with self._lock:

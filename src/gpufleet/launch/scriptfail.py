@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.launch.diagnose import records
+from gpufleet.launch.diagnose import how_it_ended, records
 from gpufleet.launch.recipe import Recipe, halved
 
 
@@ -156,7 +156,7 @@ def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe) -> str:
     cause = next((c for c in (f(e, ref, now) for f in CAUSES) if c), None)
     if cause is None:
         errors = re.findall(r"^(\w+(?:Error|Exception)\b.*)$", e.text, re.M)
-        cause = errors[-1] if errors else f"the command exited with code {e.code}"
+        cause = errors[-1] if errors else f"the command {how_it_ended(e.code)}"
     tail = [x for x in e.text.splitlines()[1:] if x.strip()][-8:]
     lines = [f"gpufleet: rank {e.rank} failed first: {cause}"]
     if tail:

@@ -109,9 +109,14 @@ def describe_launch(
     cpu: bool,
     job_arg: str,
     extra_env: Mapping[str, str] | None = None,
+    pythonpath: str | None = None,
+    cwd: str | None = None,
 ) -> str:
     """`--print-launch`: what would run on each node, without running it (`extra_env`: variables gpufleet
-    adds for the ranks, such as NCCL_P2P_DISABLE)."""
+    adds for the ranks, such as NCCL_P2P_DISABLE; `pythonpath`: the ranks' PYTHONPATH; `cwd`: the folder
+    the command starts in, the launcher's, which relative paths in the job are relative to). With
+    `launch.master_port: auto` on one node the command says `--standalone` (torchrun's own rendezvous on a
+    free port) rather than a port that is free now and may not be when it runs."""
     lines = []
     nodes = range(job.launch.nnodes)
     for n in nodes:
@@ -121,11 +126,14 @@ def describe_launch(
             lines.append(f"# gpufleet train {job_arg} runs:")
         port = None if job.launch.master_port == "auto" else int(job.launch.master_port)
         argv = torchrun_argv(job, topo, job_file, cpu=cpu, node_rank=n, port=port or 0)
-        if job.launch.nnodes == 1 and port is None:
-            argv[argv.index("--master-port") + 1] = "<free port chosen at launch>"
+        if job.launch.nnodes == 1 and port is None:  # launch.master_port auto: torchrun picks a free port
+            at = argv.index("--master-addr")
+            argv[at : at + 4] = ["--standalone"]
         env = worker_env(topo.nproc_per_node)
-        added = "".join(f"{k}={v} " for k, v in (extra_env or {}).items())
-        lines.append(f"{added}OMP_NUM_THREADS={env['OMP_NUM_THREADS']} " + shlex.join(argv))
+        added = "".join(f"{k}={shlex.quote(v)} " for k, v in (extra_env or {}).items())
+        path = f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath else ""
+        cd = f"cd {shlex.quote(cwd)} && " if cwd else ""
+        lines.append(f"{cd}{added}OMP_NUM_THREADS={env['OMP_NUM_THREADS']} {path}" + shlex.join(argv))
     return "\n".join(lines)
 
 

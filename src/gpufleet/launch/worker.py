@@ -67,22 +67,40 @@ def run_worker(job_file: str, gpus: str) -> int:
     from gpufleet.launch.torchrun import die_with_parent
 
     die_with_parent()  # the torchrun agent dies (even by SIGKILL): this rank stops too, no orphan
-    r = load_job(job_file, env={})  # the launcher's resolved job: no env/flag layers again
+    r = load_job(job_file, env={}, anchor=False)  # the launcher's resolved job: no layers, no anchoring again
     job = r.job
-    rank = dist.env_rank()[0]
+    rank, _, local_rank, _ = dist.env_rank()
     out = Path(job.output.dir).expanduser()
     logs = out / "logs"
     (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
     with rank_log(logs, rank, console=rank == 0):
-        return _run_rank(r, job, out, logs, rank, gpus)
+        return _run_rank(r, job, out, logs, rank, gpus, Path(job_file) if local_rank == 0 else None)
 
 
-def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str) -> int:
+def _keep_job(job_file: Path, out: Path) -> None:
+    """A run started from another job file than OUTPUT/job.yaml (the command `gpufleet train --print-launch`
+    prints, which reads OUTPUT/print-launch/job.yaml) keeps its job in OUTPUT/job.yaml, as a run the
+    launcher started does (`gpufleet watch` / `report` and the checkpoints read it). Atomic."""
+    target = out / "job.yaml"
+    if target.exists() and target.resolve() == job_file.resolve():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".job.yaml.{os.getpid()}")
+    try:
+        tmp.write_text(job_file.read_text(encoding="utf-8"), encoding="utf-8")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str, keep: Path | None = None) -> int:
     from gpufleet import dist
     from gpufleet.hardware import resolve_hardware
     from gpufleet.topology import resolve_topology
 
     try:
+        if keep is not None:  # this node's first rank
+            _keep_job(keep, out)
         hw = resolve_hardware(gpus)
         topo, _ = resolve_topology(r, hw)
         offload = job.placement.offload != "none"

@@ -64,6 +64,37 @@ def find_config_json(path: str, env: Mapping[str, str] | None = None) -> Path | 
     return None
 
 
+def hub_download_problem(path: str, env: Mapping[str, str] | None = None, timeout: float = 3.0) -> str | None:
+    """Why a hub id that is not in the local cache cannot be downloaded now, or None (a local folder, a
+    cached id, or the hub reachable). Offline mode (HF_HUB_OFFLINE) or no TCP connection to the hub's
+    host within `timeout` seconds: said at once, instead of after huggingface_hub's retries (~50 s)."""
+    env = os.environ if env is None else env
+    if not looks_like_hub_id(path) or Path(path).expanduser().is_dir() or find_config_json(path, env):
+        return None
+    if env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be downloaded"
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(env.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return (
+            f"{path} is not in the local Hugging Face cache and {host}:{port} cannot be reached "
+            f"({e.strerror or type(e).__name__}), so it cannot be downloaded"
+        )
+    return None
+
+
+def hub_download_fix(path: str) -> str:
+    return (
+        f"download it where there is network (hf download {path}) and copy the cache folder "
+        "(~/.cache/huggingface/hub) here, or point model.path at a local folder save_pretrained wrote"
+    )
+
+
 def has_chat_template(folder: Path) -> bool:
     """Whether a model folder's tokenizer has a chat template (tokenizer_config.json's `chat_template`,
     or a chat_template.jinja / .json file beside it), read without loading anything."""

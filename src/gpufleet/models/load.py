@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from gpufleet.errors import UserError
 from gpufleet.models.builtin import builtin_name, is_builtin, materialize
-from gpufleet.models.info import file_round_trip_note, round_trip_note
+from gpufleet.models.info import file_round_trip_note, hub_download_fix, hub_download_problem, round_trip_note
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,9 +21,14 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def resolve_model_path(path: str) -> str:
-    """``"builtin:<name>"`` -> the folder ``materialize(name)`` made; any other path is returned unchanged."""
-    return str(materialize(builtin_name(path))) if is_builtin(path) else str(path)
+def resolve_model_path(path: str, field: str = "model.path") -> str:
+    """``"builtin:<name>"`` -> the folder ``materialize(name)`` made; any other path is returned unchanged,
+    after checking that a hub id not in the local cache can be downloaded (a UserError at once if not)."""
+    if is_builtin(path):
+        return str(materialize(builtin_name(path)))
+    if why := hub_download_problem(str(path)):
+        raise UserError(why + ".", field=field, fix=hub_download_fix(str(path)))
+    return str(path)
 
 
 def load_tokenizer(path: str, field: str = "model.path") -> PreTrainedTokenizerBase:
@@ -39,7 +44,7 @@ def load_tokenizer(path: str, field: str = "model.path") -> PreTrainedTokenizerB
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    resolved = resolve_model_path(path)
+    resolved = resolve_model_path(path, field)
     try:
         if _tokenizer_json_model_type(resolved) == "WordLevel":
             tokenizer = PreTrainedTokenizerFast.from_pretrained(resolved)

@@ -12,10 +12,17 @@ holds it equal to peft's own count on the real model. torch / peft are imported 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 from gpufleet.errors import UserError
+
+# peft reads `model.is_gradient_checkpointing`, which transformers 5.23 deprecates (FutureWarning on
+# every PeftModel): a message about the libraries' versions, nothing the user can act on.
+warnings.filterwarnings(
+    "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+)
 
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     t: ("q_proj", "v_proj") for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3")

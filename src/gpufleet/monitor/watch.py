@@ -26,14 +26,33 @@ SPARKS = "▁▂▃▄▅▆▇█"
 GIB = 1024**3
 
 
+def squeeze(values: list[float], width: int) -> list[float]:
+    """The finite values, the whole run in at most `width` points: the means of `width` equal runs of
+    consecutive values when there are more (the history from step 1, not only its last `width` steps)."""
+    vals = [v for v in values if math.isfinite(v)]
+    n = len(vals)
+    if n <= width:
+        return vals
+    cuts = [i * n // width for i in range(width + 1)]
+    return [sum(vals[a:b]) / (b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
 def sparkline(values: list[float], width: int = 40) -> str:
-    """The last `width` values as block characters, scaled between their min and max."""
-    vals = [v for v in values[-width:] if math.isfinite(v)]
+    """The whole series (`squeeze`d to `width` points) as block characters, scaled between its min and
+    max (`value_range` says what those are)."""
+    vals = squeeze(values, width)
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
     span = hi - lo or 1.0
     return "".join(SPARKS[min(int((v - lo) / span * (len(SPARKS) - 1) + 0.5), len(SPARKS) - 1)] for v in vals)
+
+
+def value_range(values: list[float], width: int = 40) -> str:
+    """`low .. high` of what `sparkline` draws (its lowest and highest block), so a flat-looking or a
+    jumpy curve can be read: 0.49 .. 0.51 is not 0 .. 1."""
+    vals = squeeze(values, width)
+    return f"{min(vals):.4g} .. {max(vals):.4g}" if vals else "-"
 
 
 def bar(fraction: float, width: int = 20) -> str:
@@ -60,10 +79,11 @@ def _curves(run: Run) -> Table:
     t = Table(title="curves", title_justify="left", show_edge=False)
     t.add_column("metric")
     t.add_column("last", justify="right")
-    t.add_column("history")
+    t.add_column("history (whole run)")
+    t.add_column("low .. high")
     for key, name in (("reward", "reward"), ("kl", "kl"), ("completions/mean_length", "length")):
         _, values = run.series(key)
-        t.add_row(name, f"{values[-1]:.4g}" if values else "-", sparkline(values))
+        t.add_row(name, f"{values[-1]:.4g}" if values else "-", sparkline(values), value_range(values))
     return t
 
 

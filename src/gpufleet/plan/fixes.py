@@ -309,7 +309,8 @@ def find_layouts(
 ) -> list[Fix]:
     """Layouts on this hardware for a job whose explicit placement cannot be laid out (a device id that
     does not exist, a device used twice): the dedicated roles shared with the last policy device,
-    colocated, or on the last device with the policy moved off it. Each one planned and comfortable."""
+    colocated, or on the last device with the policy moved off it. Each one planned and comfortable;
+    listed as the fixes are (`by_speed`: fastest expected first)."""
     models = models or load_models(r, env)
     n = len(hw.devices)
     if hw.is_cpu or n == 0:
@@ -325,4 +326,4 @@ def find_layouts(
             if plan is not None and plan.comfortable and splits_into_groups(rv, plan):
                 out.append(_make_fix(kind, r, len(policy) * r.job.launch.nnodes, cs, plan, None))
                 break
-    return out
+    return by_speed(out)

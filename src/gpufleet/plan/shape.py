@@ -336,7 +336,7 @@ def load_models(r: Resolved, env: Mapping[str, str]) -> Models:
     if isinstance(policy, str):
         raise UserError(
             f"model.path = {r.job.model.path} ({r.source('model.path')}): {policy}.",
-            fix=f"download it once (huggingface-cli download {r.job.model.path}) or point model.path at a local "
+            fix=f"download it once (hf download {r.job.model.path}) or point model.path at a local "
             "folder with a config.json; gpufleet never downloads",
         )
     reward, notes = None, []

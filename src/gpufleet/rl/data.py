@@ -77,6 +77,18 @@ class PromptSource:
     def reward_names(self) -> list[str]:
         return list(self.task.default_rewards) if self.task is not None else []
 
+    def reward_columns(self) -> list[str]:
+        """The columns reward functions get by keyword (`usercode.reward_columns`, as `gpufleet check`)."""
+        from gpufleet.usercode import reward_columns
+
+        if self.task is not None:
+            names = list(self.task.make_example(0, self.seed))
+        elif isinstance(self.rows, datafile.Scan):
+            names = list(self.rows.columns)
+        else:  # a hub dataset
+            names = list(self.rows.column_names)
+        return reward_columns(names, self.field)
+
 
 def _load_rows(path: str, prompt_field: str):
     """A local file through `datafile.scan` (every row checked, as `gpufleet check` does), else a hub

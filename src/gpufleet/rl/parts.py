@@ -80,6 +80,7 @@ def build(
         env_weight=job.env.reward_weight if job.env.name else None,
         model_dtype=reward_model_dtype(job),
         shard=rt if sharded(job, rt) else None,  # FSDP: 1/N of the reward model per policy rank
+        columns=source.reward_columns() if source else [],  # an env job's rewards get no data columns
     )
     loss = Loss.from_job(job)
     suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)

@@ -1,15 +1,16 @@
 """Reward functions and reward models: resolve them, call them, and refuse bad answers clearly.
 
-A reward function has the TRL signature `fn(prompts, completions, **columns) -> list[float | None]`:
-the other dataset columns arrive as keyword lists; None means "not applicable to this sample" and
-becomes NaN, which the weighted sum ignores (`advantages.combine_rewards`).
+A reward function is called as TRL 1.16 calls it, every argument by keyword (`usercode.call_reward`):
+`fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, the other dataset
+columns as keyword lists; None means "not applicable to this sample" and becomes NaN, which the
+weighted sum ignores (`advantages.combine_rewards`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,12 +19,15 @@ from gpufleet.config.schema import RewardSection
 from gpufleet.dist import Runtime
 from gpufleet.errors import UserError
 from gpufleet.text import plural
-from gpufleet.usercode import import_function
+from gpufleet.usercode import call_reward, import_function, reward_columns
 from gpufleet.watchdog import Overdue, deadline, innermost_locals, where_stuck
 
 
-def resolve_function(name: str, timeout: float | None = None) -> Callable:
-    """A built-in reward name (`task/fn`) or a `module:function` import path."""
+def resolve_function(
+    name: str, timeout: float | None = None, columns: Sequence[str] | None = None
+) -> Callable:
+    """A built-in reward name (`task/fn`) or a `module:function` import path, bound as `gpufleet check`
+    binds it: its signature checked against the data's `columns` (`usercode.reward_columns`)."""
     from gpufleet import tasks
 
     if ":" not in name:
@@ -33,7 +37,7 @@ def resolve_function(name: str, timeout: float | None = None) -> Callable:
             raise UserError(
                 str(e), field="reward.functions", fix="use module:function or a built-in name"
             ) from None
-    return import_function(name, timeout=timeout)
+    return import_function(name, columns, timeout=timeout)
 
 
 class RewardModel:
@@ -57,7 +61,7 @@ class RewardModel:
 
         from gpufleet.models import load_tokenizer, resolve_model_path
 
-        resolved = resolve_model_path(path)
+        resolved = resolve_model_path(path, "reward.model")
         self.tokenizer = load_tokenizer(path, field="reward.model")
         model = AutoModelForSequenceClassification.from_pretrained(resolved, dtype=getattr(torch, dtype))
         if model.config.num_labels != 1:
@@ -106,10 +110,13 @@ class Rewards:
         env_weight: float | None = None,
         model_dtype: str = "float32",
         shard: Runtime | None = None,
+        columns: Sequence[str] | None = None,
     ):
-        """`model_dtype`, `shard`: how the reward model is loaded (`RewardModel`)."""
+        """`model_dtype`, `shard`: how the reward model is loaded (`RewardModel`); `columns`: the data
+        columns the functions get (`usercode.reward_columns`; None: unknown), checked against their
+        signatures here as `gpufleet check` does."""
         names = list(cfg.functions) or ([] if env_weight is not None else list(default_names))
-        self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout) for n in names]
+        self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout, columns) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
             # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
@@ -141,11 +148,12 @@ class Rewards:
         columns: dict[str, list],
         model_scores=None,
         env_rewards: torch.Tensor | None = None,
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
-        `env_rewards`: the episodes' environment rewards (first column of an env job)."""
-        skip = ("prompt", "completion", "prompts", "completions")
-        cols = {k: v for k, v in columns.items() if k not in skip}
+        `env_rewards`: the episodes' environment rewards (first column of an env job); `completion_ids`:
+        each completion's token ids, for the functions' `completion_ids`."""
+        cols = {k: columns[k] for k in reward_columns(columns)}
         out = torch.empty(len(completions), len(self.labels), dtype=torch.float32)
         if self.env:
             out[:, 0] = env_rewards
@@ -153,19 +161,28 @@ class Rewards:
             values = (
                 model_scores
                 if fn is None
-                else _call_checked(fn, label, prompts, completions, cols, self.timeout)
+                else _call_checked(fn, label, prompts, completions, cols, self.timeout, completion_ids)
             )
             out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out
 
 
-def _call_checked(fn, label: str, prompts, completions, cols, timeout: float | None = None) -> list[float]:
-    """Call one reward function (under `timeout`, see gpufleet.watchdog); any failure names the
-    function and the first offending sample."""
+def completion_token_ids(rollout) -> list[list[int]]:
+    """Each completion's token ids, TRL's `completion_ids`: the tokens under the completion mask, EOS
+    included when generated (an env job: the transcript's tokens)."""
+    ids, mask = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()
+    return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def _call_checked(
+    fn, label: str, prompts, completions, cols, timeout: float | None = None, completion_ids=None
+) -> list[float]:
+    """Call one reward function (`usercode.call_reward`, under `timeout`, see gpufleet.watchdog); any
+    failure names the function and the first offending sample."""
     n = len(completions)
     try:
         with deadline(f"reward function {label} ({n} samples)", timeout):
-            values = fn(prompts, completions, **cols)
+            values = call_reward(fn, prompts, completions, completion_ids, cols)
     except Overdue as e:
         raise _overdue(label, timeout, e, prompts, completions) from None
     except SystemExit as e:
@@ -176,7 +193,11 @@ def _call_checked(fn, label: str, prompts, completions, cols, timeout: float | N
         ) from None
     except Exception as e:  # user code: find the first sample it fails on, then report it in one line
         # (not a reward model: sharded, it may only run as often as on the other ranks)
-        i = None if isinstance(fn, RewardModel) else _first_failing(fn, prompts, completions, cols, timeout)
+        i = (
+            None
+            if isinstance(fn, RewardModel)
+            else _first_failing(fn, prompts, completions, cols, timeout, completion_ids)
+        )
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
         raise UserError(
             f"reward function {label} raised {type(e).__name__}: {e}{where}.",
@@ -253,15 +274,17 @@ def _overdue(label: str, timeout, e: Overdue, prompts, completions) -> UserError
     )
 
 
-def _first_failing(fn, prompts, completions, cols, timeout: float | None) -> int | None:
+def _first_failing(fn, prompts, completions, cols, timeout: float | None, completion_ids=None) -> int | None:
     try:
         with deadline("reward function (looking for the sample it fails on)", timeout):
             for i in range(len(completions)):
                 try:
-                    fn(
+                    call_reward(
+                        fn,
                         prompts[i : i + 1],
                         completions[i : i + 1],
-                        **{k: v[i : i + 1] for k, v in cols.items()},
+                        None if completion_ids is None else completion_ids[i : i + 1],
+                        {k: v[i : i + 1] for k, v in cols.items()},
                     )
                 except Exception:  # looking for the failing sample; the error itself was already caught
                     return i

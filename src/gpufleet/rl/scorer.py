@@ -42,6 +42,7 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     from gpufleet.rl.parts import load_reference
     from gpufleet.rl.precision import autocast_for, reward_model_dtype
     from gpufleet.rl.rewards import RewardModel
+    from gpufleet.usercode import call_reward
 
     _, roles, group = rt.scorers[0]
     used = job.roles_used()
@@ -93,7 +94,7 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
                     p["early"],
                 ).cpu()
             if reward_model is not None:
-                out["rm_scores"] = reward_model(p["prompts"], p["completions"])
+                out["rm_scores"] = call_reward(reward_model, p["prompts"], p["completions"], None, {})
             answers.append(out)
         busy = time.perf_counter() - started  # this round's work (the wait for the next one is idle)
         answers = [a | {"busy_s": busy} for a in answers]

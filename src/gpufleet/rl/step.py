@@ -33,6 +33,7 @@ from gpufleet.rl.batch import (
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
 from gpufleet.rl.parts import Parts, sample
+from gpufleet.rl.rewards import completion_token_ids
 from gpufleet.rl.rollout import sequence_logprobs
 
 
@@ -79,7 +80,12 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         )
         p.pending_ref_mixes.clear()
         per_function = p.rewards(
-            prompts, completions, columns, remote.get("rm_scores"), episodes.env_rewards if episodes else None
+            prompts,
+            completions,
+            columns,
+            remote.get("rm_scores"),
+            episodes.env_rewards if episodes else None,
+            completion_ids=completion_token_ids(rollout),
         )
     warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)

@@ -5,7 +5,8 @@ resources.py those about paths, files and the user's code; storage.py those abou
 writes (writable folders, disk space); fit.py the memory rule (gpufleet.plan);
 devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
 lora.py those of a LoRA job; offload.py those of placement.offload; algorithm.py those of the GRPO
-family's options (TRL's warnings); monitor.py those of the monitor section.
+family's options (TRL's warnings); monitor.py those of the monitor section; unused.py the fields
+that have no effect in this job (env: without an env, script: in a trainer job).
 Importing this package registers them all, in that order.
 """
 
@@ -21,6 +22,7 @@ from gpufleet.rules import env  # noqa: F401
 from gpufleet.rules import lora  # noqa: F401
 from gpufleet.rules import offload  # noqa: F401
 from gpufleet.rules import monitor  # noqa: F401
+from gpufleet.rules import unused  # noqa: F401
 
 # isort: on
 from gpufleet.rules.registry import Context, run_checks

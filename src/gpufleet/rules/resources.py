@@ -56,7 +56,14 @@ def model_path_exists(ctx: Context):
                 [ctx.ref(field)],
                 f"{path} is not in the local Hugging Face cache, so the rules that need "
                 "its config.json (heads, context length) were skipped.",
-                f"download it once (huggingface-cli download {path}) to check it fully",
+                f"download it once (hf download {path}) to check it fully",
+            )
+        elif modelinfo.find_config_json(path, ctx.env) is None:  # known shape, weights not here
+            yield warn(
+                [ctx.ref(field)],
+                f"{path} is not in the local Hugging Face cache: its shape is known to gpufleet, but train "
+                "downloads its weights first, which needs network access.",
+                f"download it now (hf download {path}), or point {field} at a local folder",
             )
 
 
@@ -108,7 +115,9 @@ def rewards_resolvable(ctx: Context):
 
 
 def _reward_columns(ctx: Context) -> list[str] | None:
-    """The dataset columns a reward function receives by keyword; None when they cannot be read."""
+    """The dataset columns a reward function receives by keyword (`usercode.reward_columns`, as the
+    trainer binds them); None when they cannot be read (the data rule reports why, and the signature
+    check then refuses nothing a column might fill)."""
     from gpufleet import tasks
 
     data = ctx.job.data
@@ -123,8 +132,7 @@ def _reward_columns(ctx: Context) -> list[str] | None:
         except UserError:  # the data rule reports it
             return None
         field = data.prompt_field
-    skip = {field, "prompt", "completion", "prompts", "completions"}
-    return [c for c in names if c not in skip]
+    return usercode.reward_columns(names, field)
 
 
 # ------------------------------------------------------------------------------------------- data

@@ -38,7 +38,7 @@ def launch_command(
 ) -> int:
     """Check, scale the recipe, run the script on every rank (or only print it with --dry-run; or, with
     --scaling, briefly at each process count to measure the speed-up)."""
-    hw = resolve_hardware(gpus, env) if dry_run else hardware_here(gpus, env, verb="launch")
+    hw = resolve_hardware(gpus, env) if dry_run else hardware_here(gpus, env, verb="launch", job=job)
     r = load_job(job, [*sets, *([f"launch.nproc_per_node={nproc}"] if nproc else [])], env)
     errors = [p for p in r.problems if p.severity == "error"]
     if errors:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from gpufleet.config.batch import batch_note
 from gpufleet.config.load import load_job
 from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
@@ -38,7 +39,7 @@ def train_command(
     # Ctrl-C must stop a run even when the shell that started it ignored SIGINT (background jobs of a
     # non-interactive shell inherit SIG_IGN, and Python then installs no KeyboardInterrupt handler).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    hw = resolve_hardware(gpus, env) if print_launch else hardware_here(gpus, env, verb="train")
+    hw = resolve_hardware(gpus, env) if print_launch else hardware_here(gpus, env, verb="train", job=job)
     r, problems, ctx = _checked(job, sets, hw, env, force)
     if any(p.severity == "error" for p in problems):
         print(render_problems(problems), file=sys.stderr)
@@ -54,18 +55,14 @@ def train_command(
     if note:
         print(note)
     if print_launch:
-        from gpufleet.launch.torchrun import describe_launch
-
-        if topo.world_size == 1:
-            print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
-        else:
-            print(describe_launch(jb, topo, job_file, cpu=hw.is_cpu, job_arg=job, extra_env=p2p))
-        return 0
+        return _print_launch(job, r, topo, hw, env, p2p)
     start = _start(out, jb, topo)
     if start is None:  # the run in `out` is finished
         return 0
     _prepare_run_dir(r, out, job_file, hw, env)
     _header(job, jb, topo, hw, out)
+    if batch := batch_note(r, topo.policy_ranks):  # the global batch follows the rank count: say so
+        print(f"  {batch}", flush=True)
     from gpufleet.launch.torchrun import Interrupted
 
     try:
@@ -180,18 +177,61 @@ def _prepare_run_dir(r, out: Path, job_file: Path, hw, env: Mapping[str, str]) -
         for name in RUN_LOGS:  # a run that never reached a checkpoint
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
-    out.mkdir(parents=True, exist_ok=True)
     # Atomic: on a shared file system every node writes this file, and workers read it.
-    tmp = job_file.with_name(f".job.yaml.{os.getpid()}")
-    try:
-        tmp.write_text(render_yaml(r) + "\n", encoding="utf-8")
-        os.replace(tmp, job_file)
-    except OSError:  # a full disk: leave nothing behind (gpufleet.fsfaults words the error)
-        tmp.unlink(missing_ok=True)
-        raise
+    _write_atomic(job_file, render_yaml(r) + "\n")
     said = write_plan(r, hw, env, out)
     if said:
         print(said)
+
+
+PRINTED_JOB = Path("print-launch") / "job.yaml"
+"""Where --print-launch writes the resolved job its command reads, inside output.dir: not OUTPUT/job.yaml,
+which marks a run (`output.resume: never` refuses such a folder) and which the launcher writes when it
+starts one; the worker copies the job there when it starts from this file."""
+
+
+def _print_launch(job: str, r, topo, hw, env: Mapping[str, str], p2p: Mapping[str, str]) -> int:
+    """`--print-launch`: the torchrun command per node, runnable as printed: the resolved job it reads is
+    written (the launcher's job.yaml, atomically, into OUTPUT/print-launch/; nothing else in output.dir is
+    touched), and the command starts in this folder (output.dir and the paths flags gave are relative to
+    it) with the ranks' PYTHONPATH (the job's folder, then this one, for the user's modules)."""
+    from gpufleet.launch.torchrun import describe_launch
+
+    if topo.world_size == 1:
+        print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
+        return 0
+    printed = Path(r.job.output.dir).expanduser() / PRINTED_JOB
+    _write_atomic(printed, render_yaml(r) + "\n")
+    folders = pythonpath(roots(r.job_path), env)
+    here = os.getcwd()
+    print(
+        describe_launch(
+            r.job, topo, printed, cpu=hw.is_cpu, job_arg=job, extra_env=p2p, pythonpath=folders, cwd=here
+        )
+    )
+    print(
+        f"# it reads {printed}, the resolved job, written now; output.dir and flag paths are relative to {here}"
+    )
+    cfg = r.job.env
+    if cfg.name and not cfg.address and cfg.servers != 0:
+        print(
+            f"# env.servers={cfg.servers}: gpufleet train starts the environment servers beside the ranks and this "
+            "command does not (its ranks would stop, finding none): print it with --set env.servers=0, or give "
+            "env.address"
+        )
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # a full disk: leave nothing behind (gpufleet.fsfaults words the error)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _header(job: str, jb, topo, hw, out: Path) -> None:
@@ -285,7 +325,7 @@ def _in_process(job, out: Path, hw, topo, resume_from: Path | None) -> int:
 
 
 def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
-    from gpufleet.launch.diagnose import agent_failure, first_failure, unexplained
+    from gpufleet.launch.diagnose import agent_failure, first_failure, killed_rank, unexplained
     from gpufleet.launch.torchrun import run_agent, torchrun_argv, worker_env
 
     logs = out / "logs"
@@ -300,15 +340,16 @@ def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
         code = run_agent(argv, worker_env(topo.nproc_per_node, env), agent_log)
     if code == 0:
         return 0
-    failure = first_failure(logs)
-    if failure is not None:
-        print(failure.summary(logs, code), file=sys.stderr)
-        return EXIT_USER_ERROR if failure.user_error else 1
     with agent.open(encoding="utf-8", errors="replace") as f:
         f.seek(start)
-        said = agent_failure(f.read(), job.launch)
+        agent_text = f.read()
+    failure = first_failure(logs)
+    if failure is not None and killed_rank(failure, agent_text) is None:
+        print(failure.summary(logs, code), file=sys.stderr)
+        return EXIT_USER_ERROR if failure.user_error else 1
+    said = agent_failure(agent_text, job.launch) if failure is None else None
     if said is not None:
         print(said, file=sys.stderr)
         return EXIT_USER_ERROR
-    print(unexplained(logs, code), file=sys.stderr)
+    print(unexplained(logs, code, agent, start, echo=failure), file=sys.stderr)
     return 1

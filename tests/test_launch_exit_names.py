@@ -1,0 +1,143 @@
+"""A rank or child that a signal ended is named by its signal ("was killed by SIGABRT (signal 6)"), never
+as a bare "exited with code -6": in `gpufleet launch`'s summary (the rank's exit record), in `gpufleet
+train`'s summary of a rank that died without an error record (torchrun's failure summary), and for env
+servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.launch.diagnose import Failure, agent_exits, how_it_ended, killed_rank, unexplained
+from gpufleet.launch.recipe import Recipe
+from gpufleet.launch.scriptfail import explain
+from gpufleet.launch.torchrun import free_port
+
+
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (-6, "was killed by SIGABRT (signal 6)"),
+        (-9, "was killed by SIGKILL (signal 9)"),
+        (-11, "was killed by SIGSEGV (signal 11)"),
+        (-99, "was killed by an unnamed signal (signal 99)"),
+        (3, "exited with code 3"),
+        (0, "exited with code 0"),
+        (134, "exited with code 134 (128 + 6: killed by SIGABRT?)"),
+        (255, "exited with code 255"),
+    ],
+)
+def test_exit_status_in_words(code, words):
+    assert how_it_ended(code) == words
+
+
+# torchrun 2.x's failure summary (as printed by the installed torch; see the real run below)
+SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+s.py FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-26_03:49:40
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 7024)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 7024
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-26_03:49:40
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 7025)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 7025
+======================================================
+"""
+
+
+def test_torchrun_summary_root_cause_first():
+    assert agent_exits(SUMMARY) == [(1, -6), (0, -15)]
+    assert agent_exits("no summary here") == []
+
+
+def test_train_summary_names_the_signal_of_this_run_only(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text("step 1\n")
+    (logs / "rank1.log").write_text("step 1\n")
+    agent = logs / "torchrun.log"
+    earlier = SUMMARY.replace("exitcode  : -6", "exitcode  : -9")  # an earlier run in the same folder
+    agent.write_text(earlier)
+    since = agent.stat().st_size
+    with agent.open("a") as f:
+        f.write(SUMMARY)
+    head = unexplained(logs, 1, agent, since).splitlines()[0]
+    assert head.startswith(
+        "gpufleet: rank 1 was killed by SIGABRT (signal 6) without an error record (torchrun exit code 1): "
+        "a crash in native code"
+    ), head
+    old = logs / "torchrun.old.log"
+    old.write_text(earlier)
+    killed = unexplained(logs, 1, old).splitlines()[0]
+    assert "rank 1 was killed by SIGKILL (signal 9)" in killed and "out-of-memory killer" in killed
+    assert "likely killed by a signal" in unexplained(logs, 1).splitlines()[0]  # no agent log: as before
+
+
+def test_a_peers_connection_error_is_not_the_root_cause(tmp_path):
+    """Rank 1 aborts; rank 0's collective then fails with gloo's "Connection reset by peer" and writes the
+    only error record. The killed rank is the cause; rank 0's error is shown as its echo."""
+    echo = Failure(0, "RuntimeError", "[pair.cc:537] Read error: Connection reset by peer. GLHF", False, [])
+    assert killed_rank(echo, SUMMARY) == (1, -6) and killed_rank(None, SUMMARY) == (1, -6)
+    real = Failure(0, "ValueError", "bad shape", False, [])  # a real exception of its own: it is the cause
+    assert killed_rank(real, SUMMARY) is None and killed_rank(echo, "no summary") is None
+    user = Failure(0, "UserError", "reward function f raised", True, [])
+    assert killed_rank(user, SUMMARY) is None
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "torchrun.log").write_text(SUMMARY)
+    lines = unexplained(logs, 1, logs / "torchrun.log", echo=echo).splitlines()
+    assert lines[0].startswith("gpufleet: rank 1 was killed by SIGABRT (signal 6) without an error record")
+    assert lines[1] == f"  then rank 0 failed: RuntimeError: {echo.message} (its peer was gone)"
+
+
+def test_launch_summary_names_the_signal(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank1.log").write_text("--- rank 1 ---\nloading\n")
+    (logs / "rank1.exit.json").write_text(json.dumps({"rank": 1, "code": -6, "time": time.time()}))
+    r = Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+    text = explain(logs, 1, r, r)
+    assert text.startswith("gpufleet: rank 1 failed first: the command was killed by SIGABRT (signal 6)"), (
+        text
+    )
+
+
+def test_a_real_torchrun_abort_is_named(tmp_path):
+    """The installed torchrun's own summary of a rank that called abort(), read as `gpufleet train` reads it."""
+    script = tmp_path / "s.py"
+    script.write_text('import os, time\nif os.environ["RANK"] == "1":\n    os.abort()\ntime.sleep(3)\n')
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    agent = logs / "torchrun.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with agent.open("w") as f:
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            + ["--master-port", str(free_port()), str(script)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=120,
+        )
+    assert p.returncode != 0
+    head = unexplained(logs, p.returncode, Path(agent), 0).splitlines()[0]
+    assert "rank 1 was killed by SIGABRT (signal 6)" in head, agent.read_text()
