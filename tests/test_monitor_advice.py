@@ -86,6 +86,10 @@ def test_memory_against_the_plan():
     assert (
         advice.memory_vs_plan(0.9, 18.0, 20.0, 8, 24) == []
         and advice.memory_vs_plan(None, 1, None, 8, 8) == []
+        # a tiny job: 1.03 GiB planned of which 1 GiB is the per-process overhead (seen on an H200 with
+        # the quickstart: 0.08 GiB measured, "room for per_device_batch up to 642870"): nothing to say
+        and advice.memory_vs_plan(0.08, 0.08, 1.03, 128, 642870, overhead_gib=1.0) == []
+        and advice.memory_vs_plan(0.3, 6.0, 20.0, 8, 24, overhead_gib=1.0) != []
     )
 
 
@@ -99,3 +103,19 @@ def test_the_advisor_says_each_kind_once(tmp_path):
     assert lines == [f"warning: {said[EVERY - 1][0].text}"] and "up to 32 fits (now 8)" in lines[0]
     records = [json.loads(x) for x in (tmp_path / "warnings.jsonl").read_text().splitlines()]
     assert [(r["step"], r["kind"]) for r in records] == [(EVERY, "memory")]
+
+
+def test_plan_record_keeps_each_ranks_overhead():
+    """OUTPUT/plan.json carries each rank's fixed overhead, which the memory advice leaves out."""
+    from pathlib import Path
+
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import GiB, parse_gpu_spec
+    from gpufleet.monitor.memory import plan_record
+    from gpufleet.plan.search import make_plan
+
+    job = Path(__file__).resolve().parents[1] / "examples" / "gspo-3gpu.yaml"
+    plan, _ = make_plan(load_job(job, [], env={}), parse_gpu_spec("3x16GB"), {}, choose=False)
+    ranks = plan_record(plan)["ranks"]
+    assert [r["role"] for r in ranks] == ["policy rank 0", "policy rank 1", "scorer: reference"]
+    assert all(r["overhead_bytes"] == 1 * GiB < r["bytes"] for r in ranks)

@@ -77,7 +77,10 @@ def baseline(tmp_path_factory, *sets: str) -> Path:
     [
         ("ddp", ()),
         ("fsdp", ()),
-        ("ddp", ("algorithm.loss_type=dapo", "train.steps_per_generation=2")),
+        # (make test: ddp and fsdp; the off-policy variants run with the slow tests, as CI does)
+        pytest.param(
+            "ddp", ("algorithm.loss_type=dapo", "train.steps_per_generation=2"), marks=pytest.mark.slow
+        ),
         # the newer loss types (issue 16), off-policy on every second step
         *[
             pytest.param(

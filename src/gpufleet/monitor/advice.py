@@ -143,10 +143,18 @@ def rank_balance(window: Sequence[dict]) -> list[Advice]:
 
 
 def memory_vs_plan(
-    ratio: float | None, peak_gib: float, planned_gib: float | None, batch: int, largest: int | None
+    ratio: float | None,
+    peak_gib: float,
+    planned_gib: float | None,
+    batch: int,
+    largest: int | None,
+    overhead_gib: float = 0.0,
 ) -> list[Advice]:
-    """See the module docstring; `largest`: the plan's largest per_device_batch that fits (None: unknown)."""
-    if ratio is None or not planned_gib:
+    """See the module docstring; `largest`: the plan's largest per_device_batch that fits (None: unknown);
+    `overhead_gib`: the plan's fixed per-process overhead within `planned_gib` (CUDA context, workspaces).
+    Silent when the job's own tensors are smaller than that overhead: the ratio then measures the overhead
+    estimate, not the job (a tiny model on an 80 GB card is not "room for a 5000x larger batch")."""
+    if ratio is None or not planned_gib or planned_gib - overhead_gib < overhead_gib:
         return []
     head = f"peak memory {peak_gib:.2f} GiB is {ratio:.0%} of the plan's {planned_gib:.2f} GiB"
     if ratio < LOW_MEMORY:

@@ -49,7 +49,10 @@ class Advisor:
         self.window: deque[tuple[float, dict]] = deque(maxlen=WINDOW)
         self.said: set[str] = set()
         self.seen = 0
-        self.largest = read_plan(out).get("largest_per_device_batch")
+        plan = read_plan(out)
+        self.largest = plan.get("largest_per_device_batch")
+        first = (plan.get("ranks") or [{}])[0]  # rank 0's: the memory metrics are rank 0's
+        self.overhead_gib = first.get("overhead_bytes", 0) / 1024**3
 
     def observe(self, m: dict) -> list[advice.Advice]:
         """Add one step's metrics (just after the step); the warnings said now."""
@@ -83,5 +86,6 @@ class Advisor:
                 last.get("memory/plan_gib"),
                 self.batch,
                 self.largest,
+                self.overhead_gib,
             )
         return found

@@ -35,7 +35,10 @@ def plan_record(plan) -> dict:
     ranks = []
     for d in plan.devices:
         for proc in d.processes:
-            ranks.append({"role": proc.role, "device": d.label, "bytes": int(proc.total)})
+            overhead = int(proc.detail.get("overhead", 0))  # the fixed per-process part (plan/overhead.py)
+            ranks.append(
+                {"role": proc.role, "device": d.label, "bytes": int(proc.total), "overhead_bytes": overhead}
+            )
     policy = sorted(
         (r for r in ranks if r["role"].startswith("policy rank ")),
         key=lambda r: int(r["role"].split()[2]),
