@@ -229,6 +229,7 @@ def test_torchrun_restart_resumes_and_matches(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
+@pytest.mark.slow  # ~20 s: keeps `make test` under 8 minutes; CI runs it with the slow tests
 def test_continuity(tmp_path):
     run = tmp_path / "run"
     assert train(run, "train.max_steps=2", "output.save_every=1").returncode == 0

@@ -26,6 +26,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # ~20 s: keeps `make test` under 8 minutes; CI runs it with the slow tests
 def test_disk_full_while_checkpointing(small_disk, tmp_path):
     run = small_disk / "run"
     args = [
