@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -80,14 +79,14 @@ def test_train_summary_names_the_signal_of_this_run_only(tmp_path):
     since = agent.stat().st_size
     with agent.open("a") as f:
         f.write(SUMMARY)
-    head = unexplained(logs, 1, agent, since).splitlines()[0]
+    head = unexplained(logs, 1, agent.read_text()[since:]).splitlines()[0]  # train reads from `since`
     assert head.startswith(
         "gpufleet: rank 1 was killed by SIGABRT (signal 6) without an error record (torchrun exit code 1): "
         "a crash in native code"
     ), head
     old = logs / "torchrun.old.log"
     old.write_text(earlier)
-    killed = unexplained(logs, 1, old).splitlines()[0]
+    killed = unexplained(logs, 1, old.read_text()).splitlines()[0]
     assert "rank 1 was killed by SIGKILL (signal 9)" in killed and "out-of-memory killer" in killed
     assert "likely killed by a signal" in unexplained(logs, 1).splitlines()[0]  # no agent log: as before
 
@@ -104,7 +103,7 @@ def test_a_peers_connection_error_is_not_the_root_cause(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "torchrun.log").write_text(SUMMARY)
-    lines = unexplained(logs, 1, logs / "torchrun.log", echo=echo).splitlines()
+    lines = unexplained(logs, 1, (logs / "torchrun.log").read_text(), echo=echo).splitlines()
     assert lines[0].startswith("gpufleet: rank 1 was killed by SIGABRT (signal 6) without an error record")
     assert lines[1] == f"  then rank 0 failed: RuntimeError: {echo.message} (its peer was gone)"
 
@@ -139,5 +138,5 @@ def test_a_real_torchrun_abort_is_named(tmp_path):
             timeout=120,
         )
     assert p.returncode != 0
-    head = unexplained(logs, p.returncode, Path(agent), 0).splitlines()[0]
+    head = unexplained(logs, p.returncode, agent.read_text()).splitlines()[0]
     assert "rank 1 was killed by SIGABRT (signal 6)" in head, agent.read_text()

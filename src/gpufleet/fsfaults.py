@@ -74,3 +74,17 @@ def _written_file(e: BaseException) -> Path | None:
             if isinstance(v, Path):
                 return v.absolute()
     return None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a reader sees the old file or the new one): a temporary file
+    beside it, then a rename; the folder is made if needed. On a failure (a full disk) nothing is left
+    behind and the OSError goes on (`fault_error` words it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -150,24 +150,12 @@ def agent_failure(agent_log: str, launch) -> str | None:
 
 
 def unexplained(
-    logs: Path,
-    exit_code: int,
-    agent_log: Path | None = None,
-    since: int = 0,
-    tail: int = 12,
-    echo: Failure | None = None,
+    logs: Path, exit_code: int, agent_text: str = "", tail: int = 12, echo: Failure | None = None
 ) -> str:
     """No error record of the cause: a rank was killed (OOM killer, signal). Which rank and how, from
-    torchrun's failure summary in `agent_log` (read from byte `since`: this run's part), the error `echo`
-    another rank recorded because of it (`killed_rank`), and every rank's last lines."""
-    text = ""
-    if agent_log is not None:
-        try:
-            with agent_log.open(encoding="utf-8", errors="replace") as f:
-                f.seek(since)
-                text = f.read()
-        except OSError:
-            text = ""
+    torchrun's failure summary in `agent_text` (this run's part of its log), the error `echo` another
+    rank recorded because of it (`killed_rank`), and every rank's last lines."""
+    text = agent_text
     exits = agent_exits(text)
     if exits:
         rank, code = killed_rank(echo, text) or exits[0]

@@ -81,16 +81,12 @@ def _keep_job(job_file: Path, out: Path) -> None:
     """A run started from another job file than OUTPUT/job.yaml (the command `gpufleet train --print-launch`
     prints, which reads OUTPUT/print-launch/job.yaml) keeps its job in OUTPUT/job.yaml, as a run the
     launcher started does (`gpufleet watch` / `report` and the checkpoints read it). Atomic."""
+    from gpufleet.fsfaults import write_text_atomic
+
     target = out / "job.yaml"
     if target.exists() and target.resolve() == job_file.resolve():
         return
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".job.yaml.{os.getpid()}")
-    try:
-        tmp.write_text(job_file.read_text(encoding="utf-8"), encoding="utf-8")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(target, job_file.read_text(encoding="utf-8"))
 
 
 def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str, keep: Path | None = None) -> int:

@@ -11,11 +11,12 @@ Predicted: the launcher writes OUTPUT/plan.json (`write_plan`): the plan's bytes
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+
+from gpufleet.fsfaults import write_text_atomic
 
 PLAN_FILE = "plan.json"
 
@@ -68,10 +69,7 @@ def write_plan(r, hw, env: Mapping[str, str], out: Path) -> str | None:
 
         found = largest_that_fits(r, hw, env)
         record["largest_per_device_batch"] = found[0].largest if found else None
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{PLAN_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(out / PLAN_FILE)
+    write_text_atomic(out / PLAN_FILE, json.dumps(record, indent=1) + "\n")
     return None
 
 

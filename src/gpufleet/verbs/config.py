@@ -105,7 +105,6 @@ def render_json(r: Resolved, docs: bool = False, only: Collection[str] | None = 
 def render_yaml(
     r: Resolved,
     notes: Mapping[str, str] | None = None,
-    pin: Mapping[str, str] | None = None,
     *,
     docs: bool = False,
     only: Collection[str] | None = None,
@@ -113,10 +112,9 @@ def render_yaml(
     """A valid job file that behaves as it reads: the values a layer set (file, Slurm, env, flag) as YAML, each
     with its source; defaults and values derived from them (presets, micro_batch) only as comments, so
     that editing `algorithm.name` in the output re-derives its preset as it would in the original.
-    `notes`: a comment per field added after its source; `pin`: fields written as values whatever their
-    source, with why (the launch's absolute output.dir); `docs`: each field's documentation as comment
+    `notes`: a comment per field added after its source; `docs`: each field's documentation as comment
     lines above it; `only`: these fields only."""
-    notes, pin = notes or {}, pin or {}
+    notes = notes or {}
     lines = [
         f"# resolved by gpufleet config from {r.job_path}" if r.job_path else "# resolved by gpufleet config",
         "# '#   field: value' lines are defaults or derived values: uncomment one to pin it.",
@@ -132,8 +130,8 @@ def render_yaml(
         text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
         text = text.removesuffix("\n...").removesuffix("...").strip()
         src = r.source(path)
-        said = "; ".join(x for x in (str(src), pin.get(path), notes.get(path)) if x)
-        if src.kind in ("file", "slurm", "env", "flag") or path in pin:
+        said = "; ".join(x for x in (str(src), notes.get(path)) if x)
+        if src.kind in ("file", "slurm", "env", "flag"):
             lines.append(f"  {name}: {text}  # {said}")
         else:
             lines.append(f"  #   {name}: {text}  # {said}")

@@ -14,6 +14,7 @@ from gpufleet.config.batch import batch_note
 from gpufleet.config.load import load_job
 from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
+from gpufleet.fsfaults import write_text_atomic
 from gpufleet.hardware import hardware_here, resolve_hardware
 from gpufleet.preflight import p2p_env
 from gpufleet.rules import run_checks
@@ -178,7 +179,7 @@ def _prepare_run_dir(r, out: Path, job_file: Path, hw, env: Mapping[str, str]) -
             if (out / name).exists():
                 (out / name).replace(out / f"{name}.previous")
     # Atomic: on a shared file system every node writes this file, and workers read it.
-    _write_atomic(job_file, render_yaml(r) + "\n")
+    write_text_atomic(job_file, render_yaml(r) + "\n")
     said = write_plan(r, hw, env, out)
     if said:
         print(said)
@@ -201,7 +202,7 @@ def _print_launch(job: str, r, topo, hw, env: Mapping[str, str], p2p: Mapping[st
         print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
         return 0
     printed = Path(r.job.output.dir).expanduser() / PRINTED_JOB
-    _write_atomic(printed, render_yaml(r) + "\n")
+    write_text_atomic(printed, render_yaml(r) + "\n")
     folders = pythonpath(roots(r.job_path), env)
     here = os.getcwd()
     print(
@@ -220,18 +221,6 @@ def _print_launch(job: str, r, topo, hw, env: Mapping[str, str], p2p: Mapping[st
             "env.address"
         )
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a temporary file beside it, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:  # a full disk: leave nothing behind (gpufleet.fsfaults words the error)
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _header(job: str, jb, topo, hw, out: Path) -> None:
@@ -351,5 +340,5 @@ def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
     if said is not None:
         print(said, file=sys.stderr)
         return EXIT_USER_ERROR
-    print(unexplained(logs, code, agent, start, echo=failure), file=sys.stderr)
+    print(unexplained(logs, code, agent_text, echo=failure), file=sys.stderr)
     return 1
