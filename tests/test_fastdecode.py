@@ -18,7 +18,7 @@ from transformers import (
 
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import CHAR_VOCAB, EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl import rollout
+from gpufleet.rl import cpu_kernels, rollout
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.rollout import generate, left_pad
 
@@ -185,8 +185,10 @@ def test_a_prompt_repeated_in_a_group_is_prefilled_once(models, monkeypatch, pad
     assert batches == [3]
 
 
-@pytest.mark.parametrize("layout", ["views", "fused", "dense"])
+@pytest.mark.parametrize("layout", ["views", "fused", "dense", "panels"])
 def test_each_weight_layout_and_a_single_row(models, layout):
+    if layout == "panels" and not cpu_kernels.available():
+        pytest.skip(f"the CPU kernel does not run here: {cpu_kernels.unavailable_reason()}")
     model = models["tiny-qwen2"]
     assert compare(model, padded=True, layout=layout) < ATOL
     assert compare(model, padded=False, rows=1, steps=3, layout=layout) < ATOL
@@ -194,15 +196,21 @@ def test_each_weight_layout_and_a_single_row(models, layout):
 
 
 def test_copies_the_weights_in_the_fastest_layout_that_fits(models, monkeypatch):
-    """On CPU the small built-in models get (in, out) copies of every projection; past the copy budget,
-    the fused q/k/v and gate/up only, then views of the parameters (nothing copied)."""
+    """On CPU the small built-in models get copies of every projection, packed for the CPU kernel where it
+    runs, else (in, out); past the copy budget, the fused q/k/v and gate/up only, then views of the
+    parameters (nothing copied)."""
     import gpufleet.rl.fastdecode as fastdecode
 
     model = models["tiny-qwen2"]
+    down = model.model.layers[0].mlp.down_proj.weight
+    if cpu_kernels.available():
+        packed = FastDecoder(model).layers[0].down.packed
+        assert torch.equal(packed.panels.transpose(1, 2).reshape(-1, down.shape[1])[: down.shape[0]], down)
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"reason": "off in this test"})
     decoder = FastDecoder(model)
     assert decoder.layout == "dense"
     weight, _ = decoder.layers[0].down.parts[0]
-    assert weight.is_contiguous() and torch.equal(weight, model.model.layers[0].mlp.down_proj.weight.t())
+    assert weight.is_contiguous() and torch.equal(weight, down.t())
     projections = sum(p.numel() * 4 for n, p in model.model.layers.named_parameters() if "proj.weight" in n)
     monkeypatch.setattr(fastdecode, "_COPY_LIMIT_BYTES", projections)  # the head no longer fits
     assert FastDecoder(model).layout == "fused"

@@ -223,7 +223,7 @@ def test_fuse_limit_mirrors_the_fast_decoder():
 
 
 @pytest.mark.parametrize("name", [*list(SHAPES)[:3], "llama (MLP biases)"])
-@pytest.mark.parametrize("limit", [1 << 30, "fused", 0], ids=["dense", "fused", "views"])
+@pytest.mark.parametrize("limit", [1 << 30, "dense", "fused", 0], ids=["panels", "dense", "fused", "views"])
 def test_decoder_weight_copies_exact(name, limit, monkeypatch):
     """The planner's `fast_decode_copies` on CPU is the bytes of the decoder's own weight copies (the
     tensors it holds that are not the model's parameters), in each layout the copy budget allows."""
@@ -233,6 +233,11 @@ def test_decoder_weight_copies_exact(name, limit, monkeypatch):
     raw = SHAPES.get(name) or {**SHAPES["llama (MHA 6/6, untied, biases)"], "mlp_bias": True}
     model = build(raw).eval()
     arch = arch_from_config(model.config.to_dict())
+    if limit == "dense":  # every copy, and no CPU kernel: (in, out) copies
+        from gpufleet.rl import cpu_kernels
+
+        monkeypatch.setattr(cpu_kernels, "_loaded", {"reason": "off in this test"})
+        limit = 1 << 30
     if limit == "fused":  # room for the fused q/k/v and gate/up only
         limit = inference.fast_decode_copies(arch, Precision("float32", "float32"), wrapped=False)
     monkeypatch.setattr(fastdecode, "_COPY_LIMIT_BYTES", limit)
@@ -243,7 +248,11 @@ def test_decoder_weight_copies_exact(name, limit, monkeypatch):
         decoder.lm_head,
         *(getattr(x, f) for x in decoder.layers for f in ("qkv", "o_proj", "gate_up", "down")),
     ]
-    held = {t.data_ptr(): t for lin in linears for part in lin.parts for t in part if t is not None}
+    tensors = [t for lin in linears for part in lin.parts for t in part]
+    tensors += [t for lin in linears if lin.packed for t in (lin.packed.panels, lin.packed.bias)]
+    held = {t.data_ptr(): t for t in tensors if t is not None}
     measured = storage_bytes(t for ptr, t in held.items() if ptr not in params)
-    planned = inference.fast_decode_copies(arch, Precision("float32", "float32"), wrapped=False, cpu=True)
+    planned = inference.fast_decode_copies(
+        arch, Precision("float32", "float32"), wrapped=False, cpu=True, panels=decoder.layout == "panels"
+    )
     assert measured == planned and (measured > 0) == (decoder.layout != "views")

@@ -71,22 +71,32 @@ FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 """model_type values `gpufleet.rl.fastdecode.FastDecoder` runs (plain float32 models only)."""
 
 
-def fast_decode_copies(arch: Arch, p: Precision, *, wrapped: bool, cpu: bool = False) -> int:
+def fast_decode_copies(
+    arch: Arch, p: Precision, *, wrapped: bool, cpu: bool = False, panels: bool = True
+) -> int:
     """Bytes of the weight copies the fast decoder builds for one `generate` call, as
     `FastDecoder._layout_that_fits` picks them: on CPU every projection, its biases and the head if they
-    fit in `COPY_LIMIT_BYTES`; else the fused q/k/v and gate/up if those fit; else none. 0 where it does
-    not run (other families, non-float32 weights, an FSDP-wrapped policy)."""
+    fit in `COPY_LIMIT_BYTES` (``panels``: packed for the CPU kernel, `gpufleet.rl.cpu_kernels`, each
+    weight's outputs padded to a multiple of 16; else as they are); else the fused q/k/v and gate/up if
+    those fit; else none. 0 where it does not run (other families, non-float32 weights, an FSDP-wrapped
+    policy)."""
     if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights != "float32":
         return 0
-    h = arch.hidden_size
-    fused = h * arch.q_dim + 2 * h * arch.kv_dim + 2 * h * arch.intermediate_size
-    fused += arch.qkv_bias * (arch.q_dim + 2 * arch.kv_dim) + arch.mlp_bias * 2 * arch.intermediate_size
-    fused *= arch.num_layers * 4
+    h, inter = arch.hidden_size, arch.intermediate_size
+    # (outputs, inputs, has a bias) of the fused q/k/v, o, fused gate/up and down projections
+    qkv, gate_up = (arch.q_dim + 2 * arch.kv_dim, h, arch.qkv_bias), (2 * inter, h, arch.mlp_bias)
+    rest = [(h, arch.q_dim, arch.o_bias), (h, inter, arch.mlp_bias)]
+
+    def size(weights: list[tuple[int, int, bool]], pad: int = 1) -> int:
+        return sum(-(-out // pad) * pad * (inputs + bias) for out, inputs, bias in weights) * 4
+
+    fused = size([qkv, gate_up]) * arch.num_layers
     if cpu:
-        rest = (arch.q_dim * h + arch.intermediate_size * h + arch.o_bias * h + arch.mlp_bias * h) * 4
-        dense = fused + rest * arch.num_layers + arch.vocab_size * h * 4
+        dense = fused + size(rest) * arch.num_layers + arch.vocab_size * h * 4
         if dense <= COPY_LIMIT_BYTES:
-            return dense
+            if not panels:
+                return dense
+            return size([qkv, gate_up, *rest], pad=16) * arch.num_layers + size([(arch.vocab_size, h, 0)], 16)
     return fused if fused <= COPY_LIMIT_BYTES else 0
 
 

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode_check import sliding_window, structure_reason, unsupported_reason
+from gpufleet.rl.fastdecode_native import NativeStep
 from gpufleet.rl.fastdecode_ops import Linear, Norm, distinct_rows, rope
 
 __all__ = ["FastDecoder"]
@@ -120,6 +122,7 @@ class FastDecoder:
         self.lm_head = Linear(model.lm_head, layout=self.layout)
         self.vocab = model.lm_head.weight.shape[0]
         self.layers = [self._read_layer(layer, self.layout) for layer in layers]
+        self.native = NativeStep(self) if NativeStep.supports(self) else None  # step() in one C call
         # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
         # the decode steps (None: no padding), cos / signed-sin tables by position, tokens cached.
         self.k_cache: list[torch.Tensor] = []
@@ -130,8 +133,9 @@ class FastDecoder:
 
     @staticmethod
     def _layout_that_fits(model: torch.nn.Module, layers) -> str:
-        """``"dense"`` on CPU if copies of every projection and the head fit in ``_COPY_LIMIT_BYTES``,
-        else ``"fused"`` if the fused q/k/v and gate/up copies fit, else ``"views"``."""
+        """On CPU, if copies of every projection and the head fit in ``_COPY_LIMIT_BYTES``: ``"panels"``
+        for float32 weights where ``cpu_kernels`` builds, else ``"dense"``. Otherwise ``"fused"`` if the
+        fused q/k/v and gate/up copies fit, else ``"views"``."""
 
         def size(names: tuple[str, ...]) -> int:
             modules = [layer.get_submodule(name) for layer in layers for name in names]
@@ -142,7 +146,7 @@ class FastDecoder:
             head.device.type == "cpu"
             and size(_PROJECTIONS) + head.numel() * head.element_size() <= _COPY_LIMIT_BYTES
         ):
-            return "dense"
+            return "panels" if head.dtype == torch.float32 and cpu_kernels.available() else "dense"
         fused = tuple(name for name in _PROJECTIONS if not name.endswith(("o_proj", "down_proj")))
         return "fused" if size(fused) <= _COPY_LIMIT_BYTES else "views"
 
@@ -364,6 +368,10 @@ class FastDecoder:
         if t >= self.k_cache[0].shape[2]:
             raise RuntimeError("the KV cache is full: prefill with a larger max_new_tokens")
         positions = position_ids.reshape(batch)
+        if self.native is not None:
+            logits = self.native(self, token, positions)
+            self.length = t + 1
+            return logits
         cos, signed_sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
         x = F.embedding(token, self.embed)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from gpufleet.rl import cpu_kernels
+
 __all__ = ["Norm", "Linear", "rope", "distinct_rows"]
 
 
@@ -44,10 +46,17 @@ class Linear:
     CPU a decode step's few rows make a matmul bound by reading its weight; the (in, out) layout reads it
     in order: the matmuls of a step, cycled through at 16 rows, ran 1.5x faster so (bench/README.md),
     with the same bits from 8 rows up (MKL; fewer rows take a matrix-vector kernel whose sums round differently, within 1e-6).
+    ``"panels"`` (CPU, float32, where ``cpu_kernels`` builds) packs the fused weight for ``cpu_kernels.matmul``
+    and runs inputs of up to ``cpu_kernels.MAX_ROWS`` rows through it (about 2x the (in, out) layout's
+    speed at 16 rows); longer inputs (a prefill) take ``mm`` over views of the parameters.
     """
 
     def __init__(self, *modules: torch.nn.Linear, layout: str = "fused"):
         bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
+        self.packed = None
+        if layout == "panels":
+            weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+            self.packed = cpu_kernels.pack(weight, bias)
         if layout == "dense":
             self.parts = [(torch.cat([m.weight.t() for m in modules], dim=1).contiguous(), bias)]
         elif layout == "fused" and len(modules) > 1:
@@ -56,6 +65,8 @@ class Linear:
             self.parts = [(m.weight.t(), m.bias) for m in modules]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.matmul(x, self.packed)
         outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 

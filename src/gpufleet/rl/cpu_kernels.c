@@ -1,0 +1,266 @@
+/* out (M x 16*N16, row stride ldc) = x (M x K, row stride ldx) @ W (+ bias), float32, x86-64 AVX2 + FMA.
+
+   A decode step multiplies a few rows (one per sequence) by every weight of the model, so each weight is
+   read from memory once per step and used for only M rows: a general GEMM (MKL, OpenBLAS) spends much
+   of that step re-packing the weight and waiting for it. Here the weight is packed once per rollout
+   (rl/cpu_kernels.py: W (K x N) as N16 panels of 16 columns, P[n][k][0..15], zero-padded past N), and a
+   panel (K x 16) is streamed in order, prefetched 16 KiB ahead, and used from L1 by every block of rows:
+   6 rows x 16 columns of accumulators (12 ymm registers), then a block of the remaining 1-5 rows.
+
+   Every output element is one sequential fused multiply-add sum over k (then + bias), computed by one
+   thread: the result does not depend on the thread count or on the other rows. OpenMP threads (the
+   caller passes torch's thread count) split the panels. */
+#include <immintrin.h>
+
+#ifndef PREFETCH_FLOATS
+#define PREFETCH_FLOATS 4096
+#endif
+
+#define DECL(r) __m256 a##r = _mm256_setzero_ps(), b##r = a##r;
+#define FMA(r)                                                  \
+  {                                                             \
+    __m256 xr = _mm256_broadcast_ss(x + (long)(r) * ldx + k); \
+    a##r = _mm256_fmadd_ps(xr, w0, a##r);                       \
+    b##r = _mm256_fmadd_ps(xr, w1, b##r);                       \
+  }
+#define STORE(r)                                     \
+  {                                                  \
+    if (bias) {                                      \
+      a##r = _mm256_add_ps(a##r, c0);                \
+      b##r = _mm256_add_ps(b##r, c1);                \
+    }                                                \
+    _mm256_storeu_ps(out + (long)(r) * ldc, a##r);     \
+    _mm256_storeu_ps(out + (long)(r) * ldc + 8, b##r); \
+  }
+#define BLOCK(name, DECLS, FMAS, STORES)                                                          \
+  static void name(int K, const float* x, long ldx, const float* p, const float* bias, float* out, \
+                   long ldc) {                                                                    \
+    DECLS                                                                                         \
+    for (int k = 0; k < K; k++) {                                                                 \
+      __builtin_prefetch(p + (long)k * 16 + PREFETCH_FLOATS);                                     \
+      __m256 w0 = _mm256_loadu_ps(p + (long)k * 16), w1 = _mm256_loadu_ps(p + (long)k * 16 + 8);  \
+      FMAS                                                                                        \
+    }                                                                                             \
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0;                                                     \
+    if (bias) {                                                                                   \
+      c0 = _mm256_loadu_ps(bias);                                                                 \
+      c1 = _mm256_loadu_ps(bias + 8);                                                             \
+    }                                                                                             \
+    STORES                                                                                        \
+  }
+
+BLOCK(rows1, DECL(0), FMA(0), STORE(0))
+BLOCK(rows2, DECL(0) DECL(1), FMA(0) FMA(1), STORE(0) STORE(1))
+BLOCK(rows3, DECL(0) DECL(1) DECL(2), FMA(0) FMA(1) FMA(2), STORE(0) STORE(1) STORE(2))
+BLOCK(rows4, DECL(0) DECL(1) DECL(2) DECL(3), FMA(0) FMA(1) FMA(2) FMA(3),
+      STORE(0) STORE(1) STORE(2) STORE(3))
+BLOCK(rows5, DECL(0) DECL(1) DECL(2) DECL(3) DECL(4), FMA(0) FMA(1) FMA(2) FMA(3) FMA(4),
+      STORE(0) STORE(1) STORE(2) STORE(3) STORE(4))
+BLOCK(rows6, DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5),
+      FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5),
+      STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5))
+
+typedef void (*block_fn)(int, const float*, long, const float*, const float*, float*, long);
+static const block_fn BLOCKS[7] = {0, rows1, rows2, rows3, rows4, rows5, rows6};
+
+void gpufleet_gemm(int M, int K, int N16, const float* x, long ldx, const float* packed, const float* bias,
+                   float* out, long ldc, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int n = 0; n < N16; n++) {
+    const float* panel = packed + (long)n * K * 16;
+    const float* panel_bias = bias ? bias + (long)n * 16 : 0;
+    for (int r = 0; r < M; r += 6) {
+      int rows = M - r < 6 ? M - r : 6;
+      BLOCKS[rows](K, x + (long)r * ldx, ldx, panel, panel_bias, out + (long)r * ldc + (long)n * 16, ldc);
+    }
+  }
+}
+
+/* ---- One decode step of a Llama / Qwen2 / Qwen3 / Mistral model (rl/fastdecode.py's step, in C) ----
+
+   The same arithmetic as FastDecoder.step (and so as the Hugging Face modules), op for op, on
+   preallocated buffers: RMSNorm, the q/k/v projection, Qwen3's q/k norm, RoPE from the caller's cos /
+   signed-sin rows, the new key and value written into the cache at `position`, attention of the one
+   query per row over positions 0..position (plus the additive key mask of padded prompts), the output
+   projection and residual, RMSNorm, gate/up, silu(gate) * up, down and residual; then the final norm
+   and the LM head. Sums run in a different order than ATen's kernels: float32 logits agree to ~1e-6. */
+#include <math.h>
+
+typedef struct {
+  const float *input_norm, *post_norm, *qk_norm; /* qk_norm: (heads + kv_heads) x head_dim, or NULL */
+  const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* packed */
+  float *k_cache, *v_cache; /* (rows, kv_heads, capacity, head_dim), contiguous */
+} gf_layer;
+
+typedef struct {
+  int rows, layers, hidden, heads, kv_heads, head_dim, intermediate, capacity, position, vocab16, threads;
+  float eps, qk_eps, scaling;
+  const float *cos, *sin;   /* rows x head_dim: cos and signed sin (see fastdecode_ops.rope) */
+  const float *key_mask;    /* rows x capacity, additive, or NULL */
+  const float *final_norm, *head, *head_bias;
+  const gf_layer* layer;
+  float *x;                 /* rows x hidden: the token embeddings in, the last hidden states out */
+  float *normed, *qkv, *attn, *gate_up, *act, *proj; /* scratch, see fastdecode_native.py */
+  float* logits;            /* rows x 16 * vocab16 */
+} gf_step;
+
+#define PAD16(n) (((n) + 15) / 16 * 16)
+
+/* exp for the SwiGLU: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
+   within 2 ulp over [-88.4, 88.4]; inputs are clamped there (silu needs no more). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)) over n values (HF *RMSNorm in float32). */
+static void rms_norm(const float* x, const float* weight, float eps, int n, float* out) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; i++) sum += x[i] * x[i];
+  float scale = 1.0f / sqrtf(sum / (float)n + eps);
+  for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * scale);
+}
+
+/* x * cos + rotate_half(x) * sin, in place over one head (signed_sin = cat(-sin, sin)). */
+static void rope(float* x, const float* cos, const float* signed_sin, int d) {
+  float rotated[d];
+  int half = d / 2;
+  for (int i = 0; i < d; i++) rotated[i] = x[i] * cos[i] + x[(i + half) % d] * signed_sin[i];
+  for (int i = 0; i < d; i++) x[i] = rotated[i];
+}
+
+/* q . k over d values: 8 lanes, two accumulators, then the lanes summed. */
+static inline float dot(const float* q, const float* k, int d) {
+  __m256 a = _mm256_setzero_ps(), b = a;
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
+  }
+  for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+  a = _mm256_add_ps(a, b);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float sum = _mm_cvtss_f32(h);
+  for (; i < d; i++) sum += q[i] * k[i];
+  return sum;
+}
+
+/* One query head against keys / values 0..length-1 of its key/value head. */
+static void attend(const gf_step* s, const float* q, const float* keys, const float* values,
+                   const float* mask, int length, float* out) {
+  int d = s->head_dim;
+  float scores[length];
+  float top = -INFINITY;
+  for (int j = 0; j < length; j++) {
+    scores[j] = dot(q, keys + (long)j * d, d) * s->scaling + (mask ? mask[j] : 0.0f);
+    if (scores[j] > top) top = scores[j];
+  }
+  float total = 0.0f;
+  for (int j = 0; j < length; j++) total += (scores[j] = expf(scores[j] - top));
+  for (int j = 0; j < length; j++) scores[j] /= total;
+  int i = 0;
+  for (; i + 32 <= d; i += 32) {  /* out[i..i+31] = sum_j p_j v_j[i..i+31], in registers */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int j = 0; j < length; j++) {
+      const float* v = values + (long)j * d + i;
+      __m256 p = _mm256_set1_ps(scores[j]);
+      a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+      a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+      a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+    }
+    _mm256_storeu_ps(out + i, a0);
+    _mm256_storeu_ps(out + i + 8, a1);
+    _mm256_storeu_ps(out + i + 16, a2);
+    _mm256_storeu_ps(out + i + 24, a3);
+  }
+  for (; i < d; i++) {
+    float sum = 0.0f;
+    for (int j = 0; j < length; j++) sum += scores[j] * values[(long)j * d + i];
+    out[i] = sum;
+  }
+}
+
+static void attention_block(const gf_step* s, const gf_layer* l) {
+  int d = s->head_dim, heads = s->heads, kv = s->kv_heads, groups = heads / kv, t = s->position;
+  int width = PAD16((heads + 2 * kv) * d);
+  long row_cache = (long)kv * s->capacity * d, head_cache = (long)s->capacity * d;
+#pragma omp parallel for schedule(static) num_threads(s->threads) if (s->threads > 1)
+  for (int b = 0; b < s->rows; b++) {
+    float* q = s->qkv + (long)b * width;  /* heads x d, then kv x d keys, then kv x d values */
+    float* k = q + heads * d;
+    float* v = k + kv * d;
+    if (l->qk_norm)
+      for (int h = 0; h < heads + kv; h++) rms_norm(q + h * d, l->qk_norm + h * d, s->qk_eps, d, q + h * d);
+    for (int h = 0; h < heads + kv; h++) rope(q + h * d, s->cos + (long)b * d, s->sin + (long)b * d, d);
+    for (int g = 0; g < kv; g++) {
+      float* kc = l->k_cache + b * row_cache + g * head_cache;
+      float* vc = l->v_cache + b * row_cache + g * head_cache;
+      for (int i = 0; i < d; i++) {
+        kc[(long)t * d + i] = k[g * d + i];
+        vc[(long)t * d + i] = v[g * d + i];
+      }
+      for (int h = g * groups; h < (g + 1) * groups; h++)
+        attend(s, q + h * d, kc, vc, s->key_mask ? s->key_mask + (long)b * s->capacity : 0, t + 1,
+               s->attn + (long)b * heads * d + h * d);
+    }
+  }
+}
+
+static void add_rows(float* x, const float* y, int rows, int n, int ldy) {
+  for (int b = 0; b < rows; b++)
+    for (int i = 0; i < n; i++) x[(long)b * n + i] += y[(long)b * ldy + i];
+}
+
+static void norm_rows(const gf_step* s, const float* weight) {
+  for (int b = 0; b < s->rows; b++)
+    rms_norm(s->x + (long)b * s->hidden, weight, s->eps, s->hidden, s->normed + (long)b * s->hidden);
+}
+
+void gpufleet_decode_step(const gf_step* s) {
+  int n = s->rows, hidden = s->hidden, inter = s->intermediate, d = s->head_dim;
+  int qkv16 = PAD16((s->heads + 2 * s->kv_heads) * d) / 16, hidden16 = PAD16(hidden) / 16;
+  int gate_up16 = PAD16(2 * inter) / 16, q_dim = s->heads * d;
+  for (int i = 0; i < s->layers; i++) {
+    const gf_layer* l = s->layer + i;
+    norm_rows(s, l->input_norm);
+    gpufleet_gemm(n, hidden, qkv16, s->normed, hidden, l->qkv, l->qkv_bias, s->qkv, qkv16 * 16, s->threads);
+    attention_block(s, l);
+    gpufleet_gemm(n, q_dim, hidden16, s->attn, q_dim, l->o, l->o_bias, s->proj, hidden16 * 16, s->threads);
+    add_rows(s->x, s->proj, n, hidden, hidden16 * 16);
+    norm_rows(s, l->post_norm);
+    gpufleet_gemm(n, hidden, gate_up16, s->normed, hidden, l->gate_up, l->gate_up_bias, s->gate_up,
+                  gate_up16 * 16, s->threads);
+    for (int b = 0; b < n; b++) {  /* silu(gate) * up = gate / (1 + exp(-gate)) * up */
+      const float* gate = s->gate_up + (long)b * gate_up16 * 16;
+      const float* up = gate + inter;
+      float* out = s->act + (long)b * inter;
+      int i = 0;
+      for (; i + 8 <= inter; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      }
+      for (; i < inter; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    gpufleet_gemm(n, inter, hidden16, s->act, inter, l->down, l->down_bias, s->proj, hidden16 * 16, s->threads);
+    add_rows(s->x, s->proj, n, hidden, hidden16 * 16);
+  }
+  norm_rows(s, s->final_norm);
+  gpufleet_gemm(n, hidden, s->vocab16, s->normed, hidden, s->head, s->head_bias, s->logits, s->vocab16 * 16,
+                s->threads);
+}
