@@ -2,7 +2,12 @@
 
     .venv/bin/python bench/decode_speed.py [--models tiny-qwen2,small-qwen2] [--repeats 15] [--threads 1]
     .venv/bin/python bench/decode_speed.py --models small-qwen2 --shapes 16x32 --prompt-tokens 128 --group 8
+    .venv/bin/python bench/decode_speed.py --models qwen2-256x4 --shapes 16x64 --prompt-tokens 2 --group 8 --vs torch
     python3 bench/decode_speed.py --device cuda --shapes 16x64 --group 8    # GPU: wall time per call
+
+``--vs torch`` compares the fast path with its CPU kernels (``rl/cpu_kernels.c``: the decode step in C)
+against the same fast path as torch ops (``GPUFLEET_CPU_KERNELS=0``) instead of against the HF forward.
+``--models`` takes built-in models and ``measure.BENCH_MODELS`` (``qwen2-256x4``: the ``small`` preset's).
 
 For each built-in model and shape (rows x new tokens: 8x32 and 128x10 by default), both paths sample
 the same left-padded prompts with the same seeds (temperature 1), alternating run by run so that load
@@ -21,11 +26,14 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
+from measure import BENCH_MODELS, PRESETS, model_folder
 
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
+from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
 
@@ -47,8 +55,15 @@ def clock(device: str) -> float:
     return time.process_time()
 
 
-def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
-    os.environ[FAST_DECODE_ENV] = "1" if fast else "0"
+def run(model, rows: list[list[int]], new_tokens: int, fast: bool, vs: str = "hf"):
+    """One ``generate`` call: the fast path, or the other path (``vs``: the HF forward, or the fast path
+    as torch ops, the CPU kernels turned off for this call)."""
+    os.environ[FAST_DECODE_ENV] = "1" if fast or vs == "torch" else "0"
+    cpu_kernels.library()  # loaded (or not) once, outside the timing
+    saved = dict(cpu_kernels._loaded)
+    if not fast and vs == "torch":
+        cpu_kernels._loaded.clear()
+        cpu_kernels._loaded["reason"] = "turned off by decode_speed.py --vs torch"
     device = model.device.type
     start = clock(device)
     out = generate(
@@ -60,7 +75,10 @@ def run(model, rows: list[list[int]], new_tokens: int, fast: bool):
         pad_token_id=PAD_TOKEN_ID,
         temperature=1.0,
     )
-    return clock(device) - start, out.completion_ids
+    elapsed = clock(device) - start
+    cpu_kernels._loaded.clear()
+    cpu_kernels._loaded.update(saved)
+    return elapsed, out.completion_ids
 
 
 def main() -> None:
@@ -72,6 +90,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=1, help="rows per distinct prompt")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU wall time per call")
+    ap.add_argument(
+        "--vs", choices=("hf", "torch"), default="hf", help="the other path: the HF forward, or torch ops"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     saved = os.environ.get(FAST_DECODE_ENV)
@@ -82,14 +103,20 @@ def main() -> None:
         f"{'CPU' if args.device == 'cpu' else 'wall'} time per generate call; prompts of "
         f"{args.prompt_tokens} tokens, {args.group} row(s) each"
     )
+    other = "HF" if args.vs == "hf" else "torch"
     print(
-        f"{'model':12s} {'shape':>7s} {'HF median':>10s} {'fast median':>12s} {'HF best':>8s} "
+        f"{'model':12s} {'shape':>7s} {other + ' median':>10s} {'fast median':>12s} {other + ' best':>8s} "
         f"{'fast best':>9s} {'speed-up':>8s}  same tokens"
     )
     try:
         with tempfile.TemporaryDirectory() as root:
             for name in args.models.split(","):
-                model = load_causal_lm(str(materialize(name, root=root))).eval().to(args.device)
+                folder = (
+                    model_folder(replace(PRESETS["small"], model=name))
+                    if name in BENCH_MODELS
+                    else materialize(name, root=root)
+                )
+                model = load_causal_lm(str(folder)).eval().to(args.device)
                 if (reason := FastDecoder.unsupported_reason(model, 1024)) is not None:
                     print(f"{name:12s} no fast path: {reason}")
                     continue
@@ -99,10 +126,10 @@ def main() -> None:
                     times = {True: [], False: []}
                     tokens = {}
                     for fast in (True, False):  # warm-up
-                        _, tokens[fast] = run(model, rows, new_tokens, fast)
+                        _, tokens[fast] = run(model, rows, new_tokens, fast, args.vs)
                     for _ in range(args.repeats):
                         for fast in (True, False):
-                            times[fast].append(run(model, rows, new_tokens, fast)[0])
+                            times[fast].append(run(model, rows, new_tokens, fast, args.vs)[0])
                     hf, fa = statistics.median(times[False]), statistics.median(times[True])
                     print(
                         f"{name:12s} {shape:>7s} {hf * 1e3:8.1f}ms {fa * 1e3:10.1f}ms "

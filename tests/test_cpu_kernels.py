@@ -135,3 +135,15 @@ def test_the_native_decode_step_equals_the_python_step(model, threads):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(cache, want_cache, rtol=0, atol=1e-5)
     assert torch.equal(got[:, 1:], again[:, 1:])  # the steps; the prefill runs torch ops in Python
+
+
+@needs_kernel
+def test_a_token_outside_the_vocabulary_is_refused(model):
+    from gpufleet.rl.rollout import left_pad
+
+    decoder = FastDecoder(model)
+    ids, mask = left_pad([[5, 6], [7, 8]], 0)
+    with torch.inference_mode():
+        decoder.prefill(ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0), 4)
+        with pytest.raises(IndexError, match="token 100000 of row 1 is not in the embedding table"):
+            decoder.step(torch.tensor([5, 100000]), torch.tensor([2, 2]))

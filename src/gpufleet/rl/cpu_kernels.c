@@ -95,13 +95,16 @@ typedef struct {
 typedef struct {
   int rows, layers, hidden, heads, kv_heads, head_dim, intermediate, capacity, position, vocab16, threads;
   float eps, qk_eps, scaling;
-  const float *cos, *sin;   /* rows x head_dim: cos and signed sin (see fastdecode_ops.rope) */
+  const long long *token, *token_position; /* rows: the token fed to each row and its position */
+  const float *embed;       /* embed_rows x hidden: the input embeddings */
+  const float *cos, *sin;   /* capacity x head_dim tables: cos and signed sin (see fastdecode_ops.rope) */
   const float *key_mask;    /* rows x capacity, additive, or NULL */
   const float *final_norm, *head, *head_bias;
   const gf_layer* layer;
-  float *x;                 /* rows x hidden: the token embeddings in, the last hidden states out */
+  float *x;                 /* rows x hidden: the token embeddings, then the hidden states */
   float *normed, *qkv, *attn, *gate_up, *act, *proj; /* scratch, see fastdecode_native.py */
   float* logits;            /* rows x 16 * vocab16 */
+  long long embed_rows;
 } gf_step;
 
 #define PAD16(n) (((n) + 15) / 16 * 16)
@@ -205,7 +208,8 @@ static void attention_block(const gf_step* s, const gf_layer* l) {
     float* v = k + kv * d;
     if (l->qk_norm)
       for (int h = 0; h < heads + kv; h++) rms_norm(q + h * d, l->qk_norm + h * d, s->qk_eps, d, q + h * d);
-    for (int h = 0; h < heads + kv; h++) rope(q + h * d, s->cos + (long)b * d, s->sin + (long)b * d, d);
+    long at = (long)s->token_position[b] * d;
+    for (int h = 0; h < heads + kv; h++) rope(q + h * d, s->cos + at, s->sin + at, d);
     for (int g = 0; g < kv; g++) {
       float* kc = l->k_cache + b * row_cache + g * head_cache;
       float* vc = l->v_cache + b * row_cache + g * head_cache;
@@ -230,10 +234,15 @@ static void norm_rows(const gf_step* s, const float* weight) {
     rms_norm(s->x + (long)b * s->hidden, weight, s->eps, s->hidden, s->normed + (long)b * s->hidden);
 }
 
-void gpufleet_decode_step(const gf_step* s) {
+/* Returns 0, or 1 + the row whose token is not an embedding row (nothing computed then). */
+int gpufleet_decode_step(const gf_step* s) {
   int n = s->rows, hidden = s->hidden, inter = s->intermediate, d = s->head_dim;
   int qkv16 = PAD16((s->heads + 2 * s->kv_heads) * d) / 16, hidden16 = PAD16(hidden) / 16;
   int gate_up16 = PAD16(2 * inter) / 16, q_dim = s->heads * d;
+  for (int b = 0; b < n; b++)
+    if (s->token[b] < 0 || s->token[b] >= s->embed_rows) return 1 + b;
+  for (int b = 0; b < n; b++)  /* the embedding of each row's token */
+    for (int i = 0; i < hidden; i++) s->x[(long)b * hidden + i] = s->embed[s->token[b] * hidden + i];
   for (int i = 0; i < s->layers; i++) {
     const gf_layer* l = s->layer + i;
     norm_rows(s, l->input_norm);
@@ -263,4 +272,5 @@ void gpufleet_decode_step(const gf_step* s) {
   norm_rows(s, s->final_norm);
   gpufleet_gemm(n, hidden, s->vocab16, s->normed, hidden, s->head, s->head_bias, s->logits, s->vocab16 * 16,
                 s->threads);
+  return 0;
 }

@@ -171,5 +171,5 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_gemm.argtypes = [i, i, i, p, n, p, p, p, n, i]
     lib.gpufleet_gemm.restype = None
     lib.gpufleet_decode_step.argtypes = [p]
-    lib.gpufleet_decode_step.restype = None
+    lib.gpufleet_decode_step.restype = ctypes.c_int
     return lib

@@ -275,13 +275,18 @@ class FastDecoder:
         """
         first, inverse = distinct_rows(input_ids, attention_mask)
         if len(first) == len(input_ids):
-            return self._prefill(input_ids, attention_mask, position_ids, max_new_tokens)
+            logits = self._prefill(input_ids, attention_mask, position_ids, max_new_tokens)
+            if self.native is not None:
+                self.native.bind(self)
+            return logits
         logits = self._prefill(input_ids[first], attention_mask[first], position_ids[first], max_new_tokens)
         for caches in (self.k_cache, self.v_cache):  # one layer at a time: at most one extra (u-row) layer
             for i, cache in enumerate(caches):
                 caches[i] = cache[inverse]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[inverse]
+        if self.native is not None:
+            self.native.bind(self)
         return logits[inverse]
 
     def _prefill(

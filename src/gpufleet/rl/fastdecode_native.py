@@ -13,7 +13,6 @@ import ctypes
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from gpufleet.rl import cpu_kernels
 
@@ -38,7 +37,8 @@ _LAYER_FIELDS = (
 )
 _INTS = ("rows", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "capacity")
 _INTS += ("position", "vocab16", "threads")
-_POINTERS = ("cos", "sin", "key_mask", "final_norm", "head", "head_bias", "layer", "x")
+_POINTERS = ("token", "token_position", "embed", "cos", "sin", "key_mask", "final_norm", "head", "head_bias")
+_POINTERS += ("layer", "x")
 _POINTERS += ("normed", "qkv", "attn", "gate_up", "act", "proj", "logits")
 
 
@@ -51,7 +51,8 @@ class _Step(ctypes.Structure):
         *((name, ctypes.c_int) for name in _INTS),
         *((name, ctypes.c_float) for name in ("eps", "qk_eps", "scaling")),
         *((name, ctypes.c_void_p) for name in _POINTERS),
-    ]
+        ("embed_rows", ctypes.c_longlong),
+    ]  # gf_step in rl/cpu_kernels.c, field for field
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -82,6 +83,8 @@ class NativeStep:
             eps=float(decoder.norm.eps),
             qk_eps=float(first.qk_norm.eps) if first.qk_norm is not None else 0.0,
             scaling=float(decoder.scaling),
+            embed=decoder.embed.data_ptr(),
+            embed_rows=decoder.embed.shape[0],
             final_norm=decoder.norm.weight.data_ptr(),
             head=decoder.lm_head.packed.panels.data_ptr(),
             head_bias=_ptr(decoder.lm_head.packed.bias),
@@ -98,6 +101,7 @@ class NativeStep:
             )
             slot.qk_norm = None if layer.qk_norm is None else layer.qk_norm.weight.data_ptr()
         self.scratch: dict[str, torch.Tensor] = {}
+        self.tables: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def supports(decoder: FastDecoder) -> bool:
@@ -108,12 +112,25 @@ class NativeStep:
         for layer in decoder.layers:
             norms += [layer.input_norm.weight, layer.post_norm.weight]
             norms += [layer.qk_norm.weight] if layer.qk_norm is not None else []
-        return all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
+        return all(w.dtype == torch.float32 and w.is_contiguous() for w in [decoder.embed, *norms])
 
-    def _buffers(self, rows: int, decoder: FastDecoder) -> dict[str, torch.Tensor]:
+    def bind(self, decoder: FastDecoder) -> None:
+        """Point the step at the decoder's KV caches, RoPE tables and key mask as ``prefill`` left them,
+        and make the scratch buffers for its rows. ``keep`` moves kept rows to the front of the same
+        tensors, so the pointers stay valid until the next ``prefill``."""
+        for slot, k_cache, v_cache in zip(self.layers, decoder.k_cache, decoder.v_cache, strict=True):
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                raise RuntimeError("the native decode step needs contiguous KV caches")
+            slot.k_cache, slot.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self.tables = (decoder.cos_table.contiguous(), decoder.sin_table.contiguous())
+        self.step.cos, self.step.sin = (t.data_ptr() for t in self.tables)
+        self.step.capacity = decoder.k_cache[0].shape[2]
+        self._buffers(decoder.k_cache[0].shape[0], decoder)
+
+    def _buffers(self, rows: int, decoder: FastDecoder) -> None:
         """Scratch for ``rows`` rows (made for the most rows seen; fewer rows use its front)."""
         if self.scratch and self.scratch["normed"].shape[0] >= rows:
-            return self.scratch
+            return
         q_dim, kv_dim = decoder.heads * decoder.head_dim, decoder.kv_heads * decoder.head_dim
         widths = {
             "normed": self.hidden,
@@ -124,27 +141,22 @@ class NativeStep:
             "proj": _pad16(self.hidden),
         }
         self.scratch = {name: torch.empty(rows, width) for name, width in widths.items()}
+        self.scratch["x"] = torch.empty(rows, self.hidden)
         for name, buffer in self.scratch.items():
             setattr(self.step, name, buffer.data_ptr())
-        return self.scratch
 
     def __call__(self, decoder: FastDecoder, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The logits (B, V) of feeding ``token`` (B,) at ``positions`` (B,); writes the KV cache."""
         rows = token.shape[0]
-        self._buffers(rows, decoder)
-        x = F.embedding(token, decoder.embed).contiguous()
-        cos = decoder.cos_table[positions].contiguous()
-        sin = decoder.sin_table[positions].contiguous()
+        if rows > self.scratch["normed"].shape[0] or decoder.k_cache[0].shape[0] != rows:
+            raise RuntimeError(f"the native decode step is bound to other rows than these {rows}")
+        token, positions = token.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         key_mask = None if decoder.key_mask is None else decoder.key_mask.contiguous()
         logits = torch.empty(rows, self.step.vocab16 * 16)
-        for slot, k_cache, v_cache in zip(self.layers, decoder.k_cache, decoder.v_cache, strict=True):
-            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-                raise RuntimeError("the native decode step needs contiguous KV caches")
-            slot.k_cache, slot.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         s = self.step
-        s.rows, s.capacity, s.position = rows, decoder.k_cache[0].shape[2], decoder.length
-        s.threads = torch.get_num_threads()
-        s.cos, s.sin, s.key_mask = cos.data_ptr(), sin.data_ptr(), _ptr(key_mask)
-        s.x, s.logits = x.data_ptr(), logits.data_ptr()
-        self.lib.gpufleet_decode_step(ctypes.byref(s))
+        s.rows, s.position, s.threads = rows, decoder.length, torch.get_num_threads()
+        s.token, s.token_position, s.key_mask = token.data_ptr(), positions.data_ptr(), _ptr(key_mask)
+        s.logits = logits.data_ptr()
+        if bad := self.lib.gpufleet_decode_step(ctypes.byref(s)):
+            raise IndexError(f"token {int(token[bad - 1])} of row {bad - 1} is not in the embedding table")
         return logits[:, : decoder.vocab]
