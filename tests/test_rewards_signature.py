@@ -200,6 +200,22 @@ def test_train_refuses_what_check_refuses(home):
     assert all(why in out for out in outs), outs
 
 
+def test_a_builtin_reward_on_data_without_its_column_is_refused_before_training(home):
+    """A built-in task's reward reads the task's `target` column: on data without it, check says so
+    (check used to pass, and train failed at its first reward call), and train stops before step 1."""
+    (home / "data.jsonl").write_text('{"prompt": "a:", "answer": "aaa"}\n{"prompt": "b:", "answer": "bbb"}\n')
+    flags = ["--set", "reward.functions=[repeat/letters, my_rewards:reward_len]"]
+    for verb in ("check", "train"):
+        p = run_user(verb, "job.yaml", "--gpus", "cpu", *flags, cwd=home, timeout=300)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2 and "Traceback" not in out, out
+        assert "built-in reward 'repeat/letters' cannot score this data" in out, out
+        assert "needs the dataset column 'target', got columns ['answer']" in out, out
+    assert not (home / "run" / "metrics.jsonl").exists()
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "data.path=builtin:repeat", *flags, cwd=home)
+    assert p.returncode == 0, p.stdout + p.stderr  # its own task's data has the column
+
+
 IS_ROOT = os.geteuid() == 0
 
 

@@ -202,7 +202,10 @@ def _call_checked(
         raise UserError(
             f"reward function {label} raised {type(e).__name__}: {e}{where}.",
             field="reward.functions",
-            fix="fix the function so it returns a float or None for every completion",
+            fix=(
+                "the function's own error says what it lacked: fix the function, or give it the data "
+                "it needs (it must return a float or None for every completion)"
+            ),
         ) from None
     if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
         raise UserError(

@@ -82,14 +82,19 @@ def rewards_resolvable(ctx: Context):
             "--set reward.functions=my_rewards:accuracy (a module:function on your PYTHONPATH)",
         )
     known = tasks.reward_names()
-    columns = ([] if env_job else _reward_columns(ctx)) if any(":" in n for n in names) else None
+    # a user's function, or a built-in one given other data than its task's: bound to the data's columns
+    foreign = [n for n in names if ":" in n or (n in known and data.path != f"builtin:{n.split('/')[0]}")]
+    columns = ([] if env_job else _reward_columns(ctx)) if foreign else None
     for name in names:
         if ":" in name:
             try:
                 usercode.import_function(name, columns, usercode.roots(ctx.r.job_path), rw.timeout)
             except usercode.RewardImportError as e:
                 yield err([ctx.ref("reward.functions")], e.why, e.fix)
-        elif name not in known:
+        elif name in known:
+            if name in foreign and columns is not None and not env_job:
+                yield from _builtin_on_other_data(ctx, name, columns)
+        else:
             import difflib
 
             close = difflib.get_close_matches(name, known, n=1)
@@ -112,6 +117,26 @@ def rewards_resolvable(ctx: Context):
             + "), e.g. --set reward.weights="
             + ",".join(["1.0"] * count),
         )
+
+
+def _builtin_on_other_data(ctx: Context, name: str, columns: list[str]):
+    """A built-in reward (``task/fn``) on data that is not its task's: called once on one empty sample
+    with the data's columns, it must find the columns it reads (tasks.base.column)."""
+    from gpufleet import tasks
+    from gpufleet.tasks.base import MissingColumn
+
+    task = name.split("/")[0]
+    try:
+        usercode.call_reward(tasks.builtin_reward(name), [""], [""], [[]], {c: [""] for c in columns})
+    except MissingColumn as e:
+        yield err(
+            [ctx.ref("reward.functions"), ctx.ref("data.path")],
+            f"built-in reward {name!r} cannot score this data: {e}",
+            f"give data with the columns {name} reads (as builtin:{task} has), or a reward of your own "
+            "(module:function)",
+        )
+    except Exception:  # any other failure on an empty sample says nothing about the data
+        return
 
 
 def _reward_columns(ctx: Context) -> list[str] | None:

@@ -63,11 +63,17 @@ def as_text(completion: Any) -> str:
     return str(completion)
 
 
+class MissingColumn(ValueError):
+    """A built-in reward was given data without a column it reads (``gpufleet check`` looks for this)."""
+
+
 def column(columns: Mapping[str, Any], key: str, n: int, reward: str) -> Sequence[Any]:
     """The dataset column ``key`` for a batch of ``n`` completions; a clear error if it is missing."""
     if key not in columns:
-        raise ValueError(
-            f"reward {reward!r} needs the dataset column {key!r}, got columns {sorted(columns)}; "
+        data = sorted(c for c in columns if c != "completion_ids")  # TRL's keyword, not a column
+        raise MissingColumn(
+            f"reward {reward!r} needs the dataset column {key!r}, got "
+            f"{f'columns {data}' if data else 'no column besides the prompt'}; "
             f"use a dataset made by the task's make_example, which provides it"
         )
     values = columns[key]
