@@ -292,3 +292,56 @@ def test_checkpoints_load_without_pickled_code(tmp_path):
     torch.save({"state": Evil()}, ck / "optimizer.pt")
     with pytest.raises(Exception, match="[Ww]eights only"):
         checkpoint.load_optimizer(ck)
+
+
+def test_continuity_sees_one_file_written_two_ways(tmp_path, monkeypatch):
+    """A relative path from a flag and the absolute one a `config --format yaml` export writes, a module
+    and its file: the same files, no change; another file or function is still a breaking change."""
+    import yaml
+
+    from gpufleet.config.schema import Job
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("prompts.jsonl", "other.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "a:"}\n')
+    (tmp_path / "myrew.py").write_text(
+        "def length(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+
+    def job(data: str, reward: str) -> Job:
+        return Job(data={"path": data}, reward={"functions": [reward, "repeat/letters"]})
+
+    saved = yaml.safe_dump(job("prompts.jsonl", "myrew:length").model_dump(mode="json"))
+    layout, roots = {"global_batch": 8}, [str(tmp_path)]
+    same = job(str(tmp_path / "prompts.jsonl"), f"{tmp_path}/myrew.py:length")
+    assert checkpoint.continuity(saved, layout, same, layout, roots) == ([], [])
+    breaking, _ = checkpoint.continuity(saved, layout, job("other.jsonl", "myrew.py:other"), layout, roots)
+    assert breaking == [
+        "data.path: 'prompts.jsonl' -> 'other.jsonl'",
+        "reward.functions: ['myrew:length', 'repeat/letters'] -> ['myrew.py:other', 'repeat/letters']",
+    ]
+
+
+def test_a_run_started_with_relative_flags_resumes_from_its_exported_job(tmp_path):
+    """The user's path: train with --set data.path=prompts.jsonl and a reward module, export the job with
+    `config --format yaml` (absolute paths, the module as its file), train the export: it resumes."""
+    from helpers import run_user
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a:"}\n{"prompt": "b:"}\n')
+    (tmp_path / "myrew.py").write_text(
+        "def length(completions, **kw):\n    return [len(c) / 9 for c in completions]\n"
+    )
+    flags = ["--set", "model.path=builtin:tiny-qwen2", "--set", "data.path=prompts.jsonl"]
+    flags += ["--set", "reward.functions=[myrew:length]", "--set", "train.per_device_batch=4"]
+    flags += ["--set", "algorithm.num_generations=2", "--set", "rollout.max_completion_length=4"]
+    flags += ["--set", "output.dir=run", "--set", "output.save_every=1"]
+    (tmp_path / "job.yaml").write_text("train: {seed: 1}\n")
+    p = run_user("train", "job.yaml", *flags, "--set", "train.max_steps=1", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("config", "job.yaml", *flags, "--set", "train.max_steps=2", "--format", "yaml", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    (tmp_path / "exported.yaml").write_text(p.stdout)
+    assert f"{tmp_path}/myrew.py:length" in p.stdout and f"{tmp_path}/prompts.jsonl" in p.stdout
+    p = run_user("train", "exported.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resum" in p.stdout.lower() and (tmp_path / "run" / "checkpoints" / "step-2").is_dir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -91,11 +92,13 @@ def _reference_state(p) -> dict | None:
     return None
 
 
-def check(ckpt: Path, job, global_batch: int) -> list[str]:
-    """Refuse a checkpoint that this job cannot continue; return the harmless changes to report."""
+def check(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> list[str]:
+    """Refuse a checkpoint that this job cannot continue; return the harmless changes to report.
+    ``roots``: where the job's modules are found (usercode.roots), to tell a module from its file."""
     state = checkpoint.load_state(ckpt)
     saved_yaml = (ckpt / "job.yaml").read_text(encoding="utf-8")
-    breaking, harmless = checkpoint.continuity(saved_yaml, state.layout, job, {"global_batch": global_batch})
+    layout = {"global_batch": global_batch}
+    breaking, harmless = checkpoint.continuity(saved_yaml, state.layout, job, layout, roots)
     if breaking:
         raise UserError(
             f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",
@@ -212,13 +215,13 @@ class Start:
     changes: tuple[str, ...] = ()
 
 
-def decide(job, out_dir: Path, global_batch: int) -> Start:
+def decide(job, out_dir: Path, global_batch: int, roots: Sequence[str] = ()) -> Start:
     """The launcher's decision, made once before any process starts: the checkpoint `output.resume`
     names in `out_dir`, checked against the job (UserError on a change that breaks the run)."""
     ckpt = checkpoint.resolve_resume(out_dir, job.output.resume)
     if ckpt is None:
         return Start()
-    changes = check(ckpt, job, global_batch)
+    changes = check(ckpt, job, global_batch, roots)
     return Start(ckpt, checkpoint.load_state(ckpt).step, tuple(changes))
 
 

@@ -57,7 +57,7 @@ def train_command(
         print(note)
     if print_launch:
         return _print_launch(job, r, topo, hw, env, p2p)
-    start = _start(out, jb, topo)
+    start = _start(out, jb, topo, roots(r.job_path))
     if start is None:  # the run in `out` is finished
         return 0
     _prepare_run_dir(r, out, job_file, hw, env)
@@ -146,12 +146,12 @@ def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: b
     return r, problems, ctx
 
 
-def _start(out: Path, jb, topo):
+def _start(out: Path, jb, topo, folders: list[str]):
     """The one resume decision (rl/resume.py `decide`: raises UserError on a breaking change), said out
     loud; None when the run in `out` already reached max_steps (then say so and how to go on)."""
     from gpufleet.rl.resume import decide
 
-    start = decide(jb, out, jb.train.per_device_batch * topo.policy_ranks)
+    start = decide(jb, out, jb.train.per_device_batch * topo.policy_ranks, folders)
     if start.checkpoint is None:
         return start
     if start.step >= jb.train.max_steps:
