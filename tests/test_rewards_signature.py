@@ -17,6 +17,7 @@ import pytest
 
 from gpufleet import usercode
 from gpufleet.errors import UserError
+from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import _call_checked
 from helpers import console_script, run_user
 
@@ -45,7 +46,9 @@ SIGNATURES = [
         "has no parameter for 'completion_ids', 'target'",
     ),
     ("positional-only", "def f(prompts, completions, /, **kwargs):\n    return []", [], "positional-only"),
-    ("trl-trainer-state", "def f(completions, trainer_state, **kwargs):\n    return []", [], "TRL's 'trainer_state', which gpufleet does not pass"),
+    ("trl-trainer-state", "def f(completions, trainer_state, log_metric, **kwargs):\n    log_metric('x', 1.0)\n    return [float(trainer_state.global_step)] * len(completions)", [], None),
+    ("trl-state-no-kwargs", "def f(prompts, completions, completion_ids, trainer_state):\n    return [float(trainer_state.max_steps)] * len(completions)", [], None),
+    ("trl-environments", "def f(completions, environments, **kwargs):\n    return []", [], "TRL's 'environments', which gpufleet does not pass"),
 ]  # fmt: skip
 
 
@@ -65,7 +68,8 @@ def test_check_refuses_exactly_what_the_keyword_call_cannot_take(tmp_path, case)
     values = {c: [c] * n for c in columns}
     if error is None:
         fn = usercode.import_function(ref, columns, folders=[])
-        out = usercode.call_reward(fn, ["p"] * n, ["c"] * n, [[1, 2], [3]], values)
+        log = RewardLog(3, 10)  # TRL's trainer_state, log_metric, log_extra: given to what takes them
+        out = usercode.call_reward(fn, ["p"] * n, ["c"] * n, [[1, 2], [3]], values, log.keywords())
         assert len(out) == n
         return
     with pytest.raises(usercode.RewardImportError) as e:
@@ -179,7 +183,7 @@ def test_check_and_train_take_trl_reward_signatures(home):
     p = run_user("train", "job.yaml", "--gpus", "cpu", cwd=home, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     seen = json.loads((home / "seen.json").read_text())
-    assert seen["keys"] == ["completion_ids", "level"]
+    assert seen["keys"] == ["completion_ids", "level", "log_extra", "log_metric", "trainer_state"]  # TRL's
     assert set(seen["target"]) <= {"aaa", "bbb"} and len(seen["target"]) == 4
     assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in seen["ids"])
     metrics = [json.loads(x) for x in (home / "run" / "metrics.jsonl").read_text().splitlines()]

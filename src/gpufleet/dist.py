@@ -160,6 +160,16 @@ def all_gather_rows(rt: Runtime, local: torch.Tensor) -> list[torch.Tensor]:
         return [p.cpu() for p in parts]
 
 
+def all_gather_objects(rt: Runtime, obj: object) -> list:
+    """Every policy rank's picklable `obj`, in policy-rank order ([obj] on one process)."""
+    if not rt.distributed or rt.policy_size == 1:
+        return [obj]
+    out: list = [None] * rt.policy_size
+    with rt.clock.phase("comm"):
+        dist.all_gather_object(out, obj, group=rt.policy_group)
+    return out
+
+
 def all_true(rt: Runtime, flag: bool) -> bool:
     """True when `flag` holds on every policy rank (used to end FSDP generation together)."""
     if not rt.distributed or rt.policy_size == 1:

@@ -34,7 +34,10 @@ FIELD = "reward.functions"
 PASSED = ("prompts", "completions", "completion_ids")
 """The keywords every reward function gets besides the data's columns (TRL 1.16's names)."""
 CALL = "fn(prompts=..., completions=..., completion_ids=..., **columns)"
-TRL_ONLY = ("trainer_state", "log_extra", "log_metric", "environments")
+LOGGING = ("trainer_state", "log_metric", "log_extra")
+"""TRL 1.16's keywords for the training state and logging from a reward: passed to a function that
+takes them (a parameter of that name, or **kwargs), as TRL passes them (`rl/rewards.RewardLog`)."""
+TRL_ONLY = ("environments",)
 """Keywords TRL 1.16 passes too and gpufleet does not."""
 
 
@@ -92,14 +95,28 @@ def call_reward(
     completions: Sequence,
     completion_ids: Sequence | None,
     columns: Mapping[str, Sequence],
+    logging: Mapping[str, object] | None = None,
 ):
     """Call one reward function as TRL 1.16's GRPOTrainer does: every argument by keyword,
-    `fn(prompts=, completions=, completion_ids=, **columns)` (`columns` from `reward_columns`). An
-    `async def` function (or one returning an awaitable) is run to completion, as TRL awaits it."""
-    out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    `fn(prompts=, completions=, completion_ids=, **columns)` (`columns` from `reward_columns`), and of
+    `logging` (`LOGGING` keywords) what the function takes. An `async def` function (or one returning an
+    awaitable) is run to completion, as TRL awaits it."""
+    extra = {k: v for k, v in (logging or {}).items() if _takes(fn, k)}
+    out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
     return out
+
+
+def _takes(fn: Callable, keyword: str) -> bool:
+    """Whether `fn` has a parameter `keyword` or **kwargs (an unreadable signature: assumed so)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params
+    )
 
 
 async def _awaited(awaitable):
@@ -311,7 +328,7 @@ def _unbindable(label: str, sig: inspect.Signature, columns: Sequence[str] | Non
                 f"add **kwargs: {with_kwargs}",
             )
     if columns is not None:
-        missing = [n for n, p in keywordable.items() if p.default is p.empty and n not in given]
+        missing = [n for n, p in keywordable.items() if p.default is p.empty and n not in [*given, *LOGGING]]
         if missing:
             first = missing[0]
             why = (
@@ -327,7 +344,8 @@ def _unbindable(label: str, sig: inspect.Signature, columns: Sequence[str] | Non
             )
             return f"{has} needs the argument {why}; it gets {CALL}", fix
     try:  # whatever the cases above missed
-        (sig.bind if columns is not None else sig.bind_partial)(**dict.fromkeys(given))
+        logging = [k for k in LOGGING if k in keywordable]
+        (sig.bind if columns is not None else sig.bind_partial)(**dict.fromkeys([*given, *logging]))
     except TypeError as e:
         return f"{has} cannot be called as {CALL} ({e})", f"write it as {with_kwargs}"
     return None

@@ -12,7 +12,7 @@ optimizer step (`rows`) and micro-batches of those (`split`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -111,6 +111,10 @@ class Scored:
     stats: dict[str, float]
     segments: list | None = None
     """Env jobs: each row's transcript as (text, is the policy's) pieces, for samples.jsonl."""
+    logged: dict[str, float] = field(default_factory=dict)
+    """What reward functions logged with TRL's `log_metric` this step (mean over the policy ranks)."""
+    extras: list[dict] = field(default_factory=list)
+    """Per row, the columns reward functions logged with TRL's `log_extra` (samples.jsonl)."""
 
 
 CHARS_PER_TOKEN = 32

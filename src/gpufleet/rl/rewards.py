@@ -18,6 +18,7 @@ import torch
 from gpufleet.config.schema import RewardSection
 from gpufleet.dist import Runtime
 from gpufleet.errors import UserError
+from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.text import plural
 from gpufleet.usercode import call_reward, import_function, reward_columns
 from gpufleet.watchdog import Overdue, deadline, innermost_locals, where_stuck
@@ -149,10 +150,13 @@ class Rewards:
         model_scores=None,
         env_rewards: torch.Tensor | None = None,
         completion_ids: list[list[int]] | None = None,
+        log: RewardLog | None = None,
     ) -> torch.Tensor:
         """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
         `env_rewards`: the episodes' environment rewards (first column of an env job); `completion_ids`:
-        each completion's token ids, for the functions' `completion_ids`."""
+        each completion's token ids, for the functions' `completion_ids`; `log`: TRL's `trainer_state`,
+        `log_metric`, `log_extra` for the functions that take them."""
+        logging = log.keywords() if log is not None else None
         cols = {k: columns[k] for k in reward_columns(columns)}
         out = torch.empty(len(completions), len(self.labels), dtype=torch.float32)
         if self.env:
@@ -161,7 +165,9 @@ class Rewards:
             values = (
                 model_scores
                 if fn is None
-                else _call_checked(fn, label, prompts, completions, cols, self.timeout, completion_ids)
+                else _call_checked(
+                    fn, label, prompts, completions, cols, self.timeout, completion_ids, logging
+                )
             )
             out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out
@@ -175,14 +181,21 @@ def completion_token_ids(rollout) -> list[list[int]]:
 
 
 def _call_checked(
-    fn, label: str, prompts, completions, cols, timeout: float | None = None, completion_ids=None
+    fn,
+    label: str,
+    prompts,
+    completions,
+    cols,
+    timeout: float | None = None,
+    completion_ids=None,
+    logging=None,
 ) -> list[float]:
     """Call one reward function (`usercode.call_reward`, under `timeout`, see gpufleet.watchdog); any
     failure names the function and the first offending sample."""
     n = len(completions)
     try:
         with deadline(f"reward function {label} ({n} samples)", timeout):
-            values = call_reward(fn, prompts, completions, completion_ids, cols)
+            values = call_reward(fn, prompts, completions, completion_ids, cols, logging)
     except Overdue as e:
         raise _overdue(label, timeout, e, prompts, completions) from None
     except SystemExit as e:
@@ -196,7 +209,7 @@ def _call_checked(
         i = (
             None
             if isinstance(fn, RewardModel)
-            else _first_failing(fn, prompts, completions, cols, timeout, completion_ids)
+            else _first_failing(fn, prompts, completions, cols, timeout, completion_ids, logging)
         )
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
         raise UserError(
@@ -277,7 +290,9 @@ def _overdue(label: str, timeout, e: Overdue, prompts, completions) -> UserError
     )
 
 
-def _first_failing(fn, prompts, completions, cols, timeout: float | None, completion_ids=None) -> int | None:
+def _first_failing(
+    fn, prompts, completions, cols, timeout: float | None, completion_ids=None, logging=None
+) -> int | None:
     try:
         with deadline("reward function (looking for the sample it fails on)", timeout):
             for i in range(len(completions)):
@@ -288,6 +303,7 @@ def _first_failing(fn, prompts, completions, cols, timeout: float | None, comple
                         completions[i : i + 1],
                         None if completion_ids is None else completion_ids[i : i + 1],
                         {k: v[i : i + 1] for k, v in cols.items()},
+                        logging,
                     )
                 except Exception:  # looking for the failing sample; the error itself was already caught
                     return i

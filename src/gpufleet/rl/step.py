@@ -33,6 +33,7 @@ from gpufleet.rl.batch import (
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
 from gpufleet.rl.parts import Parts, sample
+from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import completion_token_ids
 from gpufleet.rl.rollout import sequence_logprobs
 
@@ -79,13 +80,11 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
             rt, batch, prompts, completions, p.suppress_tokens, p.early, p.pending_ref_mixes
         )
         p.pending_ref_mixes.clear()
+        log = RewardLog(gen_index * reuse_count(job), t.max_steps)  # TRL's trainer_state, log_metric, ...
+        env_rewards = episodes.env_rewards if episodes else None
+        ids = completion_token_ids(rollout)
         per_function = p.rewards(
-            prompts,
-            completions,
-            columns,
-            remote.get("rm_scores"),
-            episodes.env_rewards if episodes else None,
-            completion_ids=completion_token_ids(rollout),
+            prompts, completions, columns, remote.get("rm_scores"), env_rewards, ids, log
         )
     warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)
@@ -108,6 +107,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         per_function_all,
         stats,
         segments=episodes.segments if episodes else None,
+        logged=log.step_metrics(rt),
+        extras=log.row_extras(len(completions)),
     )
 
 

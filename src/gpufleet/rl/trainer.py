@@ -163,7 +163,7 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
         m[f"rewards/{label}/std"] = float(nanstd(col)) if col.numel() > 1 else 0.0
-    return m
+    return m | {k: v for k, v in s.logged.items() if k not in m}  # a reward's log_metric (TRL's)
 
 
 def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> None:
@@ -179,4 +179,6 @@ def _write_samples(writer: JsonlWriter, step: int, s: Scored, k: int = 4) -> Non
         }
         if s.segments is not None:
             record["transcript"] = [{"text": text, "trained": mine} for text, mine in s.segments[i]]
+        if s.extras and s.extras[i]:  # columns a reward logged with TRL's log_extra
+            record["extra"] = s.extras[i]
         writer.write(record)

@@ -1,0 +1,58 @@
+"""TRL 1.16's `trainer_state`, `log_metric` and `log_extra` for reward functions.
+
+TRL passes every reward function `trainer_state` (its `transformers.TrainerState`: `global_step`,
+`max_steps`, ...), `log_metric(name, value)` (the values of a step averaged into metric `name`) and
+`log_extra(column, values)` (per-completion columns of its completions table). gpufleet passes them to a
+function that takes them (`usercode.call_reward`): a `TrainerState` with the optimizer steps done when
+the batch was generated, the step's metric (averaged over the values every policy rank logged) in
+metrics.jsonl and the console's metrics, and the columns beside each completion in samples.jsonl
+(`extra`). A curriculum reward written for TRL (`trainer_state.global_step`) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from gpufleet.dist import Runtime, all_gather_objects
+
+__all__ = ["RewardLog"]
+
+
+class RewardLog:
+    """The logging keywords of one generation step's reward calls, and what the functions logged."""
+
+    def __init__(self, global_step: int, max_steps: int):
+        from transformers import TrainerState
+
+        self.state = TrainerState(global_step=global_step, max_steps=max_steps)
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric`: one value of metric `name` for this step."""
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """TRL's `log_extra`: values of `column`, one per completion (in the order of the call)."""
+        self.extras.setdefault(str(column), []).extend(values)
+
+    def keywords(self) -> dict[str, Any]:
+        return {"trainer_state": self.state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def step_metrics(self, rt: Runtime) -> dict[str, float]:
+        """Each logged metric's mean over every value the policy ranks logged this step (every rank takes
+        part: each calls this once a step)."""
+        totals: dict[str, list[float]] = {}
+        for logged in all_gather_objects(rt, {k: (sum(v), len(v)) for k, v in self.metrics.items()}):
+            for name, (total, count) in logged.items():
+                acc = totals.setdefault(name, [0.0, 0])
+                acc[0] += total
+                acc[1] += count
+        return {name: total / count if count else math.nan for name, (total, count) in totals.items()}
+
+    def row_extras(self, rows: int) -> list[dict[str, Any]]:
+        """Per completion, the logged columns that have one value per completion."""
+        columns = {k: v for k, v in self.extras.items() if len(v) == rows}
+        return [{k: v[i] for k, v in columns.items()} for i in range(rows)]
