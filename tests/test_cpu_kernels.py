@@ -138,7 +138,7 @@ def test_the_native_decode_step_equals_the_python_step(model, threads):
 
 
 @needs_kernel
-def test_a_token_outside_the_vocabulary_is_refused(model):
+def test_a_token_outside_the_vocabulary_or_a_position_outside_the_cache_is_refused(model):
     from gpufleet.rl.rollout import left_pad
 
     decoder = FastDecoder(model)
@@ -147,3 +147,5 @@ def test_a_token_outside_the_vocabulary_is_refused(model):
         decoder.prefill(ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0), 4)
         with pytest.raises(IndexError, match="token 100000 of row 1 is not in the embedding table"):
             decoder.step(torch.tensor([5, 100000]), torch.tensor([2, 2]))
+        with pytest.raises(IndexError, match=r"position 6 of row 0 is outside the cache \(6\)"):
+            decoder.step(torch.tensor([5, 5]), torch.tensor([6, 2]))

@@ -234,13 +234,16 @@ static void norm_rows(const gf_step* s, const float* weight) {
     rms_norm(s->x + (long)b * s->hidden, weight, s->eps, s->hidden, s->normed + (long)b * s->hidden);
 }
 
-/* Returns 0, or 1 + the row whose token is not an embedding row (nothing computed then). */
+/* Returns 0; or, computing nothing, 1 + b when row b's token is not an embedding row, or 1 + rows + b
+   when row b's position is outside the cache (and the RoPE tables). */
 int gpufleet_decode_step(const gf_step* s) {
   int n = s->rows, hidden = s->hidden, inter = s->intermediate, d = s->head_dim;
   int qkv16 = PAD16((s->heads + 2 * s->kv_heads) * d) / 16, hidden16 = PAD16(hidden) / 16;
   int gate_up16 = PAD16(2 * inter) / 16, q_dim = s->heads * d;
-  for (int b = 0; b < n; b++)
+  for (int b = 0; b < n; b++) {
     if (s->token[b] < 0 || s->token[b] >= s->embed_rows) return 1 + b;
+    if (s->token_position[b] < 0 || s->token_position[b] >= s->capacity) return 1 + n + b;
+  }
   for (int b = 0; b < n; b++)  /* the embedding of each row's token */
     for (int i = 0; i < hidden; i++) s->x[(long)b * hidden + i] = s->embed[s->token[b] * hidden + i];
   for (int i = 0; i < s->layers; i++) {

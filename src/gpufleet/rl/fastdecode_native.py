@@ -2,9 +2,11 @@
 
 In Python a decode step of a 4-layer model is about 90 torch calls, each a few microseconds of dispatch
 and a fresh tensor, around matmuls of 16 rows; SDPA alone took 94 us a call for one query. The C step
-runs the same ops on the decoder's packed weights (layout ``"panels"``), its cos / signed-sin rows, KV
-cache and key mask, with scratch buffers made once per rollout. Logits agree with the Python step (and
-the HF forward) to ~1e-6 (tests/test_fastdecode.py runs every supported family both ways).
+runs the same ops on the decoder's packed weights (layout ``"panels"``), its cos / signed-sin tables,
+KV cache and key mask, with scratch buffers made once per rollout. Logits agree with the HF forward to
+a few 1e-7 (tests/test_fastdecode.py, every supported family) and with the Python step
+(tests/test_cpu_kernels.py); a token outside the vocabulary or a position outside the cache raises
+IndexError, as the Python step does.
 """
 
 from __future__ import annotations
@@ -158,5 +160,10 @@ class NativeStep:
         s.token, s.token_position, s.key_mask = token.data_ptr(), positions.data_ptr(), _ptr(key_mask)
         s.logits = logits.data_ptr()
         if bad := self.lib.gpufleet_decode_step(ctypes.byref(s)):
-            raise IndexError(f"token {int(token[bad - 1])} of row {bad - 1} is not in the embedding table")
+            row = (bad - 1) % rows
+            if bad <= rows:
+                raise IndexError(f"token {int(token[row])} of row {row} is not in the embedding table")
+            raise IndexError(
+                f"position {int(positions[row])} of row {row} is outside the cache ({s.capacity})"
+            )
         return logits[:, : decoder.vocab]
