@@ -322,6 +322,7 @@ def test_continuity_sees_one_file_written_two_ways(tmp_path, monkeypatch):
     ]
 
 
+@pytest.mark.slow  # ~20 s, two training runs: make test keeps test_continuity_sees_one_file_written_two_ways
 def test_a_run_started_with_relative_flags_resumes_from_its_exported_job(tmp_path):
     """The user's path: train with --set data.path=prompts.jsonl and a reward module, export the job with
     `config --format yaml` (absolute paths, the module as its file), train the export: it resumes."""
