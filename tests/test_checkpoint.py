@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpufleet import checkpoint
+from gpufleet import checkpoint, continuity
 from helpers import process_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,8 +314,8 @@ def test_continuity_sees_one_file_written_two_ways(tmp_path, monkeypatch):
     saved = yaml.safe_dump(job("prompts.jsonl", "myrew:length").model_dump(mode="json"))
     layout, roots = {"global_batch": 8}, [str(tmp_path)]
     same = job(str(tmp_path / "prompts.jsonl"), f"{tmp_path}/myrew.py:length")
-    assert checkpoint.continuity(saved, layout, same, layout, roots) == ([], [])
-    breaking, _ = checkpoint.continuity(saved, layout, job("other.jsonl", "myrew.py:other"), layout, roots)
+    assert continuity.continuity(saved, layout, same, layout, roots) == ([], [])
+    breaking, _ = continuity.continuity(saved, layout, job("other.jsonl", "myrew.py:other"), layout, roots)
     assert breaking == [
         "data.path: 'prompts.jsonl' -> 'other.jsonl'",
         "reward.functions: ['myrew:length', 'repeat/letters'] -> ['myrew.py:other', 'repeat/letters']",

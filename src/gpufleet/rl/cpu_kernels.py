@@ -29,7 +29,17 @@ import torch
 
 from gpufleet.models.builtin import default_root
 
-__all__ = ["ENV", "MAX_ROWS", "Packed", "available", "library", "matmul", "pack", "unavailable_reason"]
+__all__ = [
+    "ENV",
+    "MAX_ROWS",
+    "Packed",
+    "available",
+    "library",
+    "matmul",
+    "pack",
+    "padded",
+    "unavailable_reason",
+]
 
 ENV = "GPUFLEET_CPU_KERNELS"
 """Set to 0 to use ``torch.mm`` in the fast decoder on CPU instead of this kernel."""
@@ -54,13 +64,18 @@ class Packed:
     out_features: int
 
 
+def padded(n: int) -> int:
+    """``n`` rounded up to a multiple of 16: the width of a packed weight's outputs (and of its result)."""
+    return -(-n // 16) * 16
+
+
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     """Pack an ``nn.Linear``-layout weight (out, in) and its bias (out,) (a copy, same values)."""
     out_features, in_features = weight.shape
-    width = -(-out_features // 16) * 16
-    padded = weight.new_zeros(width, in_features)
-    padded[:out_features] = weight
-    panels = padded.view(width // 16, 16, in_features).transpose(1, 2).contiguous()
+    width = padded(out_features)
+    full = weight.new_zeros(width, in_features)
+    full[:out_features] = weight
+    panels = full.view(width // 16, 16, in_features).transpose(1, 2).contiguous()
     if bias is not None:
         bias = torch.cat([bias, bias.new_zeros(width - out_features)])
     return Packed(panels, bias, out_features)

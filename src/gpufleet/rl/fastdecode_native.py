@@ -61,10 +61,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 class NativeStep:
     """The C decode step of one ``FastDecoder`` (built after its weights are read, layout ``"panels"``)."""
 
@@ -136,11 +132,11 @@ class NativeStep:
         q_dim, kv_dim = decoder.heads * decoder.head_dim, decoder.kv_heads * decoder.head_dim
         widths = {
             "normed": self.hidden,
-            "qkv": _pad16(q_dim + 2 * kv_dim),
+            "qkv": cpu_kernels.padded(q_dim + 2 * kv_dim),
             "attn": q_dim,
-            "gate_up": _pad16(2 * self.intermediate),
+            "gate_up": cpu_kernels.padded(2 * self.intermediate),
             "act": self.intermediate,
-            "proj": _pad16(self.hidden),
+            "proj": cpu_kernels.padded(self.hidden),
         }
         self.scratch = {name: torch.empty(rows, width) for name, width in widths.items()}
         self.scratch["x"] = torch.empty(rows, self.hidden)

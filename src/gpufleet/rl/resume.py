@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gpufleet import checkpoint
+from gpufleet import checkpoint, continuity
 from gpufleet.errors import UserError
 from gpufleet.rl.batch import GenerationBatch, Scored, reuse_count
 from gpufleet.rl.rollout import Rollout
@@ -98,7 +98,7 @@ def check(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> list
     state = checkpoint.load_state(ckpt)
     saved_yaml = (ckpt / "job.yaml").read_text(encoding="utf-8")
     layout = {"global_batch": global_batch}
-    breaking, harmless = checkpoint.continuity(saved_yaml, state.layout, job, layout, roots)
+    breaking, harmless = continuity.continuity(saved_yaml, state.layout, job, layout, roots)
     if breaking:
         raise UserError(
             f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",

@@ -1,0 +1,96 @@
+"""Whether a checkpoint's run can go on under this job: the fields whose change breaks it, and the same
+file written two ways (a relative flag vs an export's absolute path, a module vs its file), which is
+no change. Used by rl/resume.py before any process starts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+# Fields whose change breaks continuity of a run (the rest are reported and allowed).
+BREAKING = (
+    "model.path",
+    "data.path",
+    "data.prompt_field",
+    "algorithm.num_generations",
+    "train.seed",
+    "train.steps_per_generation",
+    "algorithm.num_iterations",
+    "reward.functions",
+    "reward.model",
+    "model.use_peft",  # the checkpoint holds an adapter, or the whole model
+    "model.lora_r",
+    "model.lora_target_modules",
+    "env.name",
+    "env.kwargs",
+)
+
+
+def continuity(
+    saved_yaml: str, saved_layout: dict, job, layout: dict, roots: Sequence[str] = ()
+) -> tuple[list[str], list[str]]:
+    """(breaking changes, harmless changes) between the checkpoint's job and this one. A path written
+    two ways for the same file (relative from a flag, absolute in a `config --format yaml` export; a
+    module `rewards:fn` and its file `/abs/rewards.py:fn`, found in ``roots`` as the trainer finds it)
+    is no change."""
+    import yaml
+
+    old = yaml.safe_load(saved_yaml) or {}
+    new = job.model_dump(mode="json")
+    breaking, harmless = [], []
+    for section, fields in new.items():
+        for name, value in fields.items():
+            before = (old.get(section) or {}).get(name, value)
+            if before != value and not _same_place(f"{section}.{name}", before, value, roots):
+                text = f"{section}.{name}: {before!r} -> {value!r}"
+                (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)
+    if saved_layout.get("global_batch") != layout.get("global_batch"):
+        breaking.append(
+            f"global batch (per_device_batch x policy ranks): {saved_layout.get('global_batch')} -> "
+            f"{layout.get('global_batch')}"
+        )
+    return breaking, harmless
+
+
+_PLACES = ("model.path", "data.path", "reward.model", "env.token_file")
+"""Fields holding a local path, a hub id or a builtin: name."""
+_REFS = ("reward.functions", "env.name")
+"""Fields holding `module:name` / `file.py:name` references (or built-in names)."""
+
+
+def _same_place(field: str, before, after, roots: Sequence[str]) -> bool:
+    """Whether two values of a path field name the same file(s), seen from the working directory."""
+    if field in _PLACES and isinstance(before, str) and isinstance(after, str):
+        return _place(before) == _place(after)
+    if field in _REFS:
+        before, after = ([v] if isinstance(v, str) else v for v in (before, after))
+        return (
+            isinstance(before, list)
+            and isinstance(after, list)
+            and len(before) == len(after)
+            and all(_ref_place(a, roots) == _ref_place(b, roots) for a, b in zip(before, after, strict=True))
+        )
+    return False
+
+
+def _place(value: str) -> str:
+    """A local path, resolved from the working directory (where a flag's relative path starts); a
+    builtin: name or a hub id as it is."""
+    path = Path(value).expanduser()
+    return str(path.resolve()) if not value.startswith("builtin:") and path.exists() else value
+
+
+def _ref_place(ref: str, roots: Sequence[str]) -> str:
+    """The file and name a `where:name` reference points at (a module looked for in ``roots``)."""
+    from gpufleet import usercode
+
+    where, name = usercode.split(ref)
+    if not where or ref.startswith(("builtin:", "gymnasium:")):
+        return ref
+    if usercode.is_file(where):
+        return f"{_place(where)}:{name}"
+    for root in roots:
+        file = Path(root) / f"{where.replace('.', '/')}.py"
+        if file.is_file():
+            return f"{file.resolve()}:{name}"
+    return ref
