@@ -4,9 +4,12 @@
     .venv/bin/python bench/decode_speed.py --models small-qwen2 --shapes 16x32 --prompt-tokens 128 --group 8
     .venv/bin/python bench/decode_speed.py --models qwen2-256x4 --shapes 16x64 --prompt-tokens 2 --group 8 --vs torch
     python3 bench/decode_speed.py --device cuda --shapes 16x64 --group 8    # GPU: wall time per call
+    python3 bench/decode_speed.py --device cuda --models qwen2.5-0.5b --shapes 16x64 --group 8 --vs graphs
 
 ``--vs torch`` compares the fast path with its CPU kernels (``rl/cpu_kernels.c``: the decode step in C)
-against the same fast path as torch ops (``GPUFLEET_CPU_KERNELS=0``) instead of against the HF forward.
+against the same fast path as torch ops (``GPUFLEET_CPU_KERNELS=0``) instead of against the HF forward;
+``--vs graphs`` (GPU) the fast path with its decode step replayed as a CUDA graph against the same path
+run eagerly (``GPUFLEET_CUDA_GRAPHS=0``).
 ``--models`` takes built-in models and ``measure.BENCH_MODELS`` (``qwen2-256x4``: the ``small`` preset's).
 
 For each built-in model and shape (rows x new tokens: 8x32 and 128x10 by default), both paths sample
@@ -35,6 +38,7 @@ from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
 from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode import FastDecoder
+from gpufleet.rl.graphdecode import GRAPHS_ENV
 from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
 
 
@@ -56,9 +60,10 @@ def clock(device: str) -> float:
 
 
 def run(model, rows: list[list[int]], new_tokens: int, fast: bool, vs: str = "hf"):
-    """One ``generate`` call: the fast path, or the other path (``vs``: the HF forward, or the fast path
-    as torch ops, the CPU kernels turned off for this call)."""
-    os.environ[FAST_DECODE_ENV] = "1" if fast or vs == "torch" else "0"
+    """One ``generate`` call: the fast path, or the other path (``vs``: the HF forward, the fast path
+    as torch ops, the CPU kernels turned off for this call, or the fast path without CUDA graphs)."""
+    os.environ[FAST_DECODE_ENV] = "1" if fast or vs in ("torch", "graphs") else "0"
+    os.environ[GRAPHS_ENV] = "0" if not fast and vs == "graphs" else "1"
     cpu_kernels.library()  # loaded (or not) once, outside the timing
     saved = dict(cpu_kernels._loaded)
     if not fast and vs == "torch":
@@ -91,7 +96,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: GPU wall time per call")
     ap.add_argument(
-        "--vs", choices=("hf", "torch"), default="hf", help="the other path: the HF forward, or torch ops"
+        "--vs",
+        choices=("hf", "torch", "graphs"),
+        default="hf",
+        help="the other path: the HF forward, torch ops, or no CUDA graphs",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,7 +111,7 @@ def main() -> None:
         f"{'CPU' if args.device == 'cpu' else 'wall'} time per generate call; prompts of "
         f"{args.prompt_tokens} tokens, {args.group} row(s) each"
     )
-    other = "HF" if args.vs == "hf" else "torch"
+    other = {"hf": "HF", "torch": "torch", "graphs": "eager"}[args.vs]
     print(
         f"{'model':12s} {'shape':>7s} {other + ' median':>10s} {'fast median':>12s} {other + ' best':>8s} "
         f"{'fast best':>9s} {'speed-up':>8s}  same tokens"

@@ -349,14 +349,19 @@ def test_generate_fast_path_gives_the_hf_path_tokens(models, monkeypatch, name, 
         assert_same_rollout(fast, hf)
 
 
+def rows_finishing_early(model, monkeypatch) -> tuple[list[list[int]], dict]:
+    """12 prompts and generate() settings whose EOS is the token ``model`` picks most often."""
+    prompts = random_prompts(12, seed=3, lo=1, hi=10)
+    probe = sample(model, prompts, monkeypatch, fast=False, temperature=1.0, max_new_tokens=16)
+    eos = int(torch.mode(probe.completion_ids.flatten()).values)
+    return prompts, dict(temperature=1.0, max_new_tokens=16, eos_token_id=eos)
+
+
 def test_generate_rows_finishing_at_different_steps(models, monkeypatch):
     """EOS is a token the model often picks, so rows stop at different steps (the rest keep going); the
     fast decoder drops finished rows as it goes, and gives the same rollout as when it keeps them all."""
     model = models["tiny-qwen2"]
-    prompts = random_prompts(12, seed=3, lo=1, hi=10)
-    probe = sample(model, prompts, monkeypatch, fast=False, temperature=1.0, max_new_tokens=16)
-    eos = int(torch.mode(probe.completion_ids.flatten()).values)
-    kw = dict(temperature=1.0, max_new_tokens=16, eos_token_id=eos)
+    prompts, kw = rows_finishing_early(model, monkeypatch)
     hf = sample(model, prompts, monkeypatch, fast=False, **kw)
     kept: list[int] = []
     keep = FastDecoder.keep

@@ -17,7 +17,10 @@ runs the same arithmetic over the model's own weights with less of that overhead
 * the prefill skips pad tokens (per-token work runs on the real tokens, packed), and its last layer, the
   final norm and the LM head run on the last position only; a prompt repeated over several rows (a
   GRPO group) is prefilled once and its cache copied to its rows;
-* ``keep`` drops finished rows from the cache, so later steps compute the live rows only.
+* ``keep`` drops finished rows from the cache, so later steps compute the live rows only;
+* on a GPU the decode step is captured in a CUDA graph once per rollout and replayed for every later
+  token (``graphdecode.GraphStep``; ``GPUFLEET_CUDA_GRAPHS=0`` turns it off): a small model's step is
+  hundreds of kernel launches that take longer to issue than to run.
 
 Matched against transformers 5.23 (``models/{llama,qwen2,qwen3,mistral}/modeling_*.py``, which share
 these pieces): ``*RMSNorm.forward`` (float32 math, ``weight * (x * rsqrt(mean(x**2) + eps))``),
@@ -46,6 +49,7 @@ from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode_check import sliding_window, structure_reason, unsupported_reason
 from gpufleet.rl.fastdecode_native import NativeStep
 from gpufleet.rl.fastdecode_ops import Linear, Norm, distinct_rows, rope
+from gpufleet.rl.graphdecode import GraphStep
 
 __all__ = ["FastDecoder"]
 
@@ -123,6 +127,7 @@ class FastDecoder:
         self.vocab = model.lm_head.weight.shape[0]
         self.layers = [self._read_layer(layer, self.layout) for layer in layers]
         self.native = NativeStep(self) if NativeStep.supports(self) else None  # step() in one C call
+        self.graph: GraphStep | None = None  # set by prefill on a GPU: step() as one CUDA graph replay
         # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
         # the decode steps (None: no padding), cos / signed-sin tables by position, tokens cached.
         self.k_cache: list[torch.Tensor] = []
@@ -200,19 +205,21 @@ class FastDecoder:
         return self.lm_head(self.norm(x)).float()
 
     def _attend_last(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | None
     ) -> torch.Tensor:
-        """Attention of one query per row, q (B, H, D), to the first ``length`` cached keys -> (B, H*D).
+        """Attention of one query per row, q (B, H, D), to the first ``length`` cached keys -> (B, H*D)
+        (None: to the whole cache, the key mask hiding the slots not written yet).
 
         The query heads of a group share a key/value head: they are folded into the query axis (HF's
         ``pack_gqa``), (B, H, D) -> (B, H_kv, groups, D), query head h using key/value head h // groups.
         """
         batch = q.shape[0]
+        keys = slice(None) if length is None else slice(None, length)
         out = F.scaled_dot_product_attention(
             q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
-            k_cache[:, :, :length],
-            v_cache[:, :, :length],
-            attn_mask=None if self.key_mask is None else self.key_mask[..., :length],
+            k_cache[:, :, keys],
+            v_cache[:, :, keys],
+            attn_mask=None if self.key_mask is None else self.key_mask[..., keys],
             scale=self.scaling,
         )
         return out.reshape(batch, -1)
@@ -276,18 +283,19 @@ class FastDecoder:
         first, inverse = distinct_rows(input_ids, attention_mask)
         if len(first) == len(input_ids):
             logits = self._prefill(input_ids, attention_mask, position_ids, max_new_tokens)
-            if self.native is not None:
-                self.native.bind(self)
-            return logits
-        logits = self._prefill(input_ids[first], attention_mask[first], position_ids[first], max_new_tokens)
-        for caches in (self.k_cache, self.v_cache):  # one layer at a time: at most one extra (u-row) layer
-            for i, cache in enumerate(caches):
-                caches[i] = cache[inverse]
-        if self.key_mask is not None:
-            self.key_mask = self.key_mask[inverse]
+        else:
+            logits = self._prefill(
+                input_ids[first], attention_mask[first], position_ids[first], max_new_tokens
+            )[inverse]
+            for caches in (self.k_cache, self.v_cache):  # a layer at a time: at most one extra (u-row) layer
+                for i, cache in enumerate(caches):
+                    caches[i] = cache[inverse]
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask[inverse]
         if self.native is not None:
             self.native.bind(self)
-        return logits[inverse]
+        self.graph = GraphStep(self) if GraphStep.wanted(self) else None
+        return logits
 
     def _prefill(
         self,
@@ -355,7 +363,10 @@ class FastDecoder:
         """Go on with the cached rows ``rows`` (indices, in this order) only: later steps take and give
         those rows. A row's logits do not depend on the other rows (bitwise, tested), so dropping
         finished rows changes nothing but the work. The kept rows move to the front of the same cache
-        tensors (one layer's kept rows are copied at a time): the cache never takes more memory."""
+        tensors (one layer's kept rows are copied at a time): the cache never takes more memory. Not
+        with a CUDA graph (``self.graph``), whose shapes are fixed: it runs every row to the end."""
+        if self.graph is not None:
+            raise RuntimeError("a CUDA-graphed decoder runs all its rows: keep() cannot drop any")
         n = len(rows)
         for caches in (self.k_cache, self.v_cache):
             for i, cache in enumerate(caches):
@@ -373,17 +384,36 @@ class FastDecoder:
         if t >= self.k_cache[0].shape[2]:
             raise RuntimeError("the KV cache is full: prefill with a larger max_new_tokens")
         positions = position_ids.reshape(batch)
-        if self.native is not None:
+        if self.graph is not None:
+            logits = self.graph(self, token, positions, t)
+        elif self.native is not None:
             logits = self.native(self, token, positions)
-            self.length = t + 1
-            return logits
+        else:
+            logits = self.layers_step(token, positions, t)
+        self.length = t + 1
+        return logits
+
+    def layers_step(
+        self, token: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor
+    ) -> torch.Tensor:
+        """The decode step's arithmetic: tokens (B,) at ``positions`` (B,) into cache slot ``slot`` -> logits.
+
+        ``slot`` an int: attend to the slots before it and to it (the key mask, if any, cut there). A
+        one-element tensor (``GraphStep``, where no value may come from the host): write there through
+        an index op and attend to the whole cache, the key mask (which the caller opened at ``slot``)
+        hiding the slots not written yet.
+        """
         cos, signed_sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
         x = F.embedding(token, self.embed)
+        length = slot + 1 if isinstance(slot, int) else None
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             q, k, v = self._qkv(layer, layer.input_norm(x), cos, signed_sin)
-            k_cache[:, :, t] = k
-            v_cache[:, :, t] = v
-            x = x + layer.o_proj(self._attend_last(q, k_cache, v_cache, t + 1))
+            if length is None:
+                k_cache.index_copy_(2, slot, k.unsqueeze(2))
+                v_cache.index_copy_(2, slot, v.unsqueeze(2))
+            else:
+                k_cache[:, :, slot] = k
+                v_cache[:, :, slot] = v
+            x = x + layer.o_proj(self._attend_last(q, k_cache, v_cache, length))
             x = self._mlp_block(layer, x)
-        self.length = t + 1
         return self._logits(x)

@@ -14,7 +14,8 @@ stream per *row*:
   ~1e-7 of a CDF boundary.
 * Prompts are left-padded; position ids come from the cumsum of the attention mask, as in HF.
 * A row stops changing after its first EOS (later tokens are pad, mask 0); the loop stops when every
-  row is done. The fast path stops computing finished rows once a quarter of its rows are done.
+  row is done. The fast path stops computing finished rows once a quarter of its rows are done (on a
+  GPU it replays its decode step as a CUDA graph instead, every row to the end: ``graphdecode``).
 * The ``suppress_tokens`` (a pad that is not EOS; ``sampling.never_sampled``) have probability 0 in
   sampling, greedy included, and in ``sequence_logprobs``: one distribution for sampling and training.
   They are removed from the logits after the model, so both decode paths below remove them alike.
@@ -269,6 +270,8 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
             nonlocal rows
             if t == 0:
                 return decoder.prefill(prompt, prompt_mask, positions, max_new_tokens)
+            if decoder.graph is not None:  # a CUDA graph runs every row (and counting them would sync)
+                return decoder.step(step_input.squeeze(1), positions)
             live = ~done[rows]
             if int(live.sum()) <= (1 - _DROP_FRACTION) * len(rows):
                 keep = live.nonzero().squeeze(1)
