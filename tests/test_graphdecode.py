@@ -16,6 +16,7 @@ from gpufleet.rl import graphdecode, rollout
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.graphdecode import GRAPHS_ENV, GraphStep
 from gpufleet.rl.rollout import left_pad
+from gpufleet.rl.sampling import cumulative
 from test_fastdecode import (
     _FAST_DECODER,
     CONFIGS,
@@ -23,6 +24,7 @@ from test_fastdecode import (
     PAD_TOKEN_ID,
     assert_same_rollout,
     from_config,
+    hf_logits,
     perturb,
     random_prompts,
     rows_finishing_early,
@@ -49,15 +51,17 @@ def prompts_of(kind: str) -> list[list[int]]:
     return [p for p in random_prompts(3, seed=2, lo=2, hi=9) for _ in range(3)]  # groups: prefilled once
 
 
+def step_tokens(rows: int, steps: int, device) -> torch.Tensor:
+    return torch.randint(2, 80, (rows, steps), generator=torch.Generator().manual_seed(5)).to(device)
+
+
 def step_logits(model, prompts, steps: int, graph: str) -> torch.Tensor:
     """(B, 1 + steps, V) logits of a prefill and ``steps`` decode steps on random tokens; ``graph``:
     ``"eager"`` (the decoder's usual step), ``"static"`` (GraphStep run eagerly) or ``"captured"``."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, PAD_TOKEN_ID, device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    tokens = torch.randint(2, 80, (len(prompts), steps), generator=torch.Generator().manual_seed(5)).to(
-        device
-    )
+    tokens = step_tokens(len(prompts), steps, device)
     decoder = FastDecoder(model)
     saved = os.environ.get(GRAPHS_ENV)
     os.environ[GRAPHS_ENV] = "0" if graph == "eager" else "1"
@@ -141,6 +145,37 @@ def test_graphs_only_on_a_gpu_and_off_by_environment(models, monkeypatch):
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["padded", "unpadded", "groups"])
+@pytest.mark.parametrize("name", ["tiny-qwen2", "qwen3", "mistral"])
+def test_cuda_graphed_logits_equal_the_hf_forward(models, name, kind):
+    """The GPU's own forms (fused RMSNorm, transposed few-row matmuls, masked attention over the whole
+    cache) against the HF forward on the same GPU."""
+    model = models[name].to("cuda")
+    try:
+        prompts = prompts_of(kind)
+        ids, mask = left_pad(prompts, PAD_TOKEN_ID, "cuda")
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            ref = hf_logits(model, ids, mask, positions, step_tokens(len(prompts), 7, "cuda")).cpu()
+        got = step_logits(model, prompts, 7, "captured")
+    finally:
+        models[name].to("cpu")
+    assert float((got - ref).abs().max()) < 1e-5
+
+
+@needs_cuda
+def test_cuda_the_chunked_scan_picks_the_tokens_of_the_plain_scan():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn((16, 151_936), generator=gen) * 3, dim=-1).cuda()
+    plain, chunked = cumulative(probs, chunked=False), cumulative(probs)
+    assert chunked.shape[1] > plain.shape[1]  # the chunked form ran
+    assert torch.allclose(chunked[:, : plain.shape[1]], plain, rtol=0, atol=1e-13)
+    u = torch.rand((16, 4096), generator=gen, dtype=torch.float64).cuda()
+    picks = [torch.searchsorted(c, u * c[:, -1:], right=True).clamp_(max=151_935) for c in (plain, chunked)]
+    assert torch.equal(*picks)
 
 
 @needs_cuda

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from gpufleet.rl.sampling import never_sampled, next_tokens, suppress_early, suppress_logits
+from gpufleet.rl.sampling import cumulative, never_sampled, next_tokens, suppress_early, suppress_logits
 
 
 def test_never_sampled_is_a_pad_that_is_no_eos():
@@ -56,3 +57,23 @@ def test_suppress_early_removes_eos_only_before_the_minimum():
     assert probs[:, :2, 0].allclose(torch.tensor(1 / 3))
     assert suppress_early(logits, 1, first=5, count=5) is logits  # a chunk past the minimum
     assert suppress_early(logits, None, first=0, count=5) is logits  # no EOS
+
+
+@pytest.mark.parametrize("vocab", [5000, 4096 * 2 + 7, 151_936])
+def test_the_chunked_scan_gives_the_cumulative_sums_and_the_same_tokens(vocab):
+    """The GPU's chunked scan (run here on the CPU): the cumulative sums to float64 rounding, padding
+    columns that repeat the total, and the tokens the plain scan picks (a suppressed token never)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn((16, vocab), generator=gen) * 3
+    logits[:, 1024] = torch.finfo(torch.float32).min  # probability 0 at a chunk's first column
+    probs = torch.softmax(logits, dim=-1)
+    plain, chunked = cumulative(probs, chunked=False), cumulative(probs, chunked=True)
+    assert chunked.shape[1] == -(-vocab // 1024) * 1024 and chunked.dtype == torch.float64
+    assert torch.allclose(chunked[:, :vocab], plain, rtol=0, atol=1e-13)
+    assert torch.equal(chunked[:, vocab:], chunked[:, -1:].expand(-1, chunked.shape[1] - vocab))
+    u = torch.rand((16, 4096), generator=gen, dtype=torch.float64)
+    picks = []
+    for cdf in (plain, chunked):
+        target = u * cdf[:, -1:]
+        picks.append(torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1))
+    assert torch.equal(picks[0], picks[1]) and not bool((picks[1] == 1024).any())

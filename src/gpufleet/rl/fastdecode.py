@@ -201,8 +201,9 @@ class FastDecoder:
         return x + layer.down(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, V) float32 logits of the last position's hidden states (B, hidden)."""
-        return self.lm_head(self.norm(x)).float()
+        """(B, V) float32 logits of the last position's hidden states (B, hidden), contiguous (on a
+        GPU the head's few-row product comes transposed)."""
+        return self.lm_head(self.norm(x)).float().contiguous()
 
     def _attend_last(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int | None

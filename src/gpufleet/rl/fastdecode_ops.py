@@ -5,10 +5,14 @@ repeated prompts."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpufleet.rl import cpu_kernels
 
 __all__ = ["Norm", "Linear", "rope", "distinct_rows"]
+
+_FEW_ROWS = 64
+"""On a GPU, matmuls of up to this many rows (decode steps) take the transposed form (``Linear``)."""
 
 
 class Norm:
@@ -23,8 +27,10 @@ class Norm:
     def __init__(self, weight: torch.Tensor, eps: float, per_head: torch.Tensor | None = None):
         """``per_head`` (heads, dim): Qwen3's q_norm and k_norm applied at once, one weight row per head."""
         self.weight = weight if per_head is None else per_head
+        self.per_head = per_head is not None
         self.size = torch.tensor(float(weight.shape[-1]), dtype=torch.float32, device=weight.device)
         self.eps = torch.tensor(eps, dtype=torch.float32, device=weight.device)
+        self.eps_value = float(eps)
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Norm:
@@ -32,6 +38,11 @@ class Norm:
         return cls(module.weight, module.variance_epsilon)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of seven: within 5e-7 of the formula (on an H200)
+            shape = (x.shape[-1],)
+            if self.per_head:
+                return F.rms_norm(x, shape, None, self.eps_value) * self.weight
+            return F.rms_norm(x, shape, self.weight, self.eps_value)
         scale = x.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
         return self.weight * (x * scale)
 
@@ -49,6 +60,9 @@ class Linear:
     ``"panels"`` (CPU, float32, where ``cpu_kernels`` builds) packs the fused weight for ``cpu_kernels.matmul``
     and runs inputs of up to ``cpu_kernels.MAX_ROWS`` rows through it (about 2x the (in, out) layout's
     speed at 16 rows); longer inputs (a prefill) take ``mm`` over views of the parameters.
+    On a GPU, inputs of up to ``_FEW_ROWS`` rows are multiplied as ``(W x^T)^T``: at 16 rows cuBLAS
+    picks faster kernels for that form (H200, float32: Qwen2.5-0.5B's down projection 22 vs 39 us, its
+    head 246 vs 332 us; the same as an (in, out) copy of the weight, without the copy).
     """
 
     def __init__(self, *modules: torch.nn.Linear, layout: str = "fused"):
@@ -67,7 +81,13 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
             return cpu_kernels.matmul(x, self.packed)
-        outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
+        if x.is_cuda and x.shape[0] <= _FEW_ROWS:  # (W x^T)^T: cuBLAS's faster kernels for few rows
+            outs = [
+                (torch.mm(wt.t(), x.t()) if b is None else torch.addmm(b[:, None], wt.t(), x.t())).t()
+                for wt, b in self.parts
+            ]
+        else:
+            outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
