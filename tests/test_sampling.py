@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gpufleet.rl.sampling import cumulative, never_sampled, next_tokens, suppress_early, suppress_logits
+from gpufleet.rl import cpu_kernels
+from gpufleet.rl.sampling import cumulative, never_sampled, next_tokens, pick, suppress_early, suppress_logits
 
 
 def test_never_sampled_is_a_pad_that_is_no_eos():
@@ -77,3 +78,35 @@ def test_the_chunked_scan_gives_the_cumulative_sums_and_the_same_tokens(vocab):
         target = u * cdf[:, -1:]
         picks.append(torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1))
     assert torch.equal(picks[0], picks[1]) and not bool((picks[1] == 1024).any())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3, 0.05])
+@pytest.mark.parametrize("vocab", [90, 5000])
+def test_pick_in_c_gives_the_tokens_of_the_torch_ops(temperature, vocab):
+    """The C steps around the softmax (suppress, temperature, float64 running sum, search) against
+    suppress_logits + next_tokens: the same token for every row and draw, the suppressed never."""
+    gen = torch.Generator().manual_seed(vocab)
+    suppress = torch.tensor([0, 3, vocab - 1])
+    for trial in range(40):
+        logits = torch.randn((16, vocab), generator=gen) * (1 + trial % 4)
+        uniforms = torch.rand((16, 8), generator=gen).double()
+        uniforms[0, 3], uniforms[1, 3] = 0.0, 1 - 2**-24  # the lowest and the highest draw
+        expected = next_tokens(suppress_logits(logits, suppress), uniforms[:, 3], temperature, 1.0, 0)
+        got = pick(logits.clone(), suppress, uniforms[:, 3], temperature, 1.0, 0)
+        assert torch.equal(got, expected), trial
+        assert not bool(torch.isin(got, suppress).any())
+
+
+def test_pick_takes_the_torch_ops_for_top_k_top_p_greedy_and_other_dtypes():
+    gen = torch.Generator().manual_seed(1)
+    logits, uniforms = torch.randn((8, 300), generator=gen), torch.rand(8, generator=gen).double()
+    none = torch.tensor([], dtype=torch.long)
+    for settings in ((0.0, 1.0, 0), (1.0, 0.9, 0), (0.8, 1.0, 20), (0.8, 0.5, 7)):
+        assert torch.equal(
+            pick(logits.clone(), none, uniforms, *settings), next_tokens(logits, uniforms, *settings)
+        )
+    half = logits.bfloat16()
+    assert torch.equal(
+        pick(half.clone(), none, uniforms, 1.0, 1.0, 0), next_tokens(half, uniforms, 1.0, 1.0, 0)
+    )

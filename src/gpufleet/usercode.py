@@ -101,7 +101,7 @@ def call_reward(
     `fn(prompts=, completions=, completion_ids=, **columns)` (`columns` from `reward_columns`), and of
     `logging` (`LOGGING` keywords) what the function takes. An `async def` function (or one returning an
     awaitable) is run to completion, as TRL awaits it."""
-    extra = {k: v for k, v in (logging or {}).items() if _takes(fn, k)}
+    extra = {k: logging[k] for k in logging or () if _takes(fn, k)}  # looked up only when taken
     out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))

@@ -277,3 +277,42 @@ int gpufleet_decode_step(const gf_step* s) {
                 s->threads);
   return 0;
 }
+
+/* ---- sampling: what rl/sampling.py computes with torch ops, bit for bit --------------------------- */
+#include <float.h>
+#include <stdint.h>
+
+/* Before the softmax: the suppressed columns of each row at the lowest float (suppress_logits), then
+   every logit divided by the temperature (next_tokens: IEEE division, correctly rounded, as torch's). */
+void gpufleet_sample_prepare(float* logits, long rows, long vocab, const int64_t* suppress, long n_suppress,
+                             float temperature) {
+    for (long r = 0; r < rows; r++) {
+        float* row = logits + r * vocab;
+        for (long j = 0; j < n_suppress; j++) row[suppress[j]] = -FLT_MAX;
+        if (temperature != 1.0f)
+            for (long i = 0; i < vocab; i++) row[i] = row[i] / temperature;
+    }
+}
+
+/* After the softmax: per row the first index whose float64 running sum of the probabilities exceeds
+   u * total (torch's CPU cumsum adds in order in double; searchsorted right=True, clamped to the last
+   index). uniforms[r * ustride] is row r's draw. */
+void gpufleet_sample_pick(const float* probs, long rows, long vocab, const double* uniforms, long ustride,
+                          int64_t* out) {
+    for (long r = 0; r < rows; r++) {
+        const float* row = probs + r * vocab;
+        double total = 0.0;
+        for (long i = 0; i < vocab; i++) total += (double)row[i];
+        const double target = uniforms[r * ustride] * total;
+        double sum = 0.0;
+        long pick = vocab - 1;
+        for (long i = 0; i < vocab; i++) {
+            sum += (double)row[i];
+            if (sum > target) {
+                pick = i;
+                break;
+            }
+        }
+        out[r] = pick;
+    }
+}

@@ -187,4 +187,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_gemm.restype = None
     lib.gpufleet_decode_step.argtypes = [p]
     lib.gpufleet_decode_step.restype = ctypes.c_int
+    lib.gpufleet_sample_prepare.argtypes = [p, n, n, p, n, ctypes.c_float]
+    lib.gpufleet_sample_prepare.restype = None
+    lib.gpufleet_sample_pick.argtypes = [p, n, n, p, n, p]
+    lib.gpufleet_sample_pick.restype = None
     return lib

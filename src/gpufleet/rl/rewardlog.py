@@ -11,11 +11,13 @@ metrics.jsonl and the console's metrics, and the columns beside each completion 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpufleet.dist import Runtime, all_gather_objects
+from gpufleet.usercode import LOGGING
 
 __all__ = ["RewardLog"]
 
@@ -24,11 +26,16 @@ class RewardLog:
     """The logging keywords of one generation step's reward calls, and what the functions logged."""
 
     def __init__(self, global_step: int, max_steps: int):
-        from transformers import TrainerState
-
-        self.state = TrainerState(global_step=global_step, max_steps=max_steps)
+        self.global_step, self.max_steps = global_step, max_steps
         self.metrics: dict[str, list[float]] = {}
         self.extras: dict[str, list[Any]] = {}
+
+    @functools.cached_property
+    def state(self):
+        """TRL's `trainer_state`, made when a reward function takes it (importing it costs 0.3 s)."""
+        from transformers import TrainerState
+
+        return TrainerState(global_step=self.global_step, max_steps=self.max_steps)
 
     def log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric`: one value of metric `name` for this step."""
@@ -38,8 +45,9 @@ class RewardLog:
         """TRL's `log_extra`: values of `column`, one per completion (in the order of the call)."""
         self.extras.setdefault(str(column), []).extend(values)
 
-    def keywords(self) -> dict[str, Any]:
-        return {"trainer_state": self.state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+    def keywords(self) -> Mapping[str, Any]:
+        """The keywords by name; `trainer_state` is made when looked up."""
+        return _Keywords(self)
 
     def step_metrics(self, rt: Runtime) -> dict[str, float]:
         """Each logged metric's mean over every value the policy ranks logged this step (every rank takes
@@ -56,3 +64,23 @@ class RewardLog:
         """Per completion, the logged columns that have one value per completion."""
         columns = {k: v for k, v in self.extras.items() if len(v) == rows}
         return [{k: v[i] for k, v in columns.items()} for i in range(rows)]
+
+
+class _Keywords(Mapping):
+    """`RewardLog.keywords()`: its values, each looked up when asked for."""
+
+    _NAMES = LOGGING
+
+    def __init__(self, log: RewardLog):
+        self.log = log
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._NAMES:
+            raise KeyError(name)
+        return getattr(self.log, "state" if name == "trainer_state" else name)
+
+    def __iter__(self):
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)

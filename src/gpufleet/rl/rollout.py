@@ -40,7 +40,7 @@ import torch
 
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
-from gpufleet.rl.sampling import next_tokens, row_uniforms, suppress_logits
+from gpufleet.rl.sampling import pick, row_uniforms
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
@@ -216,13 +216,19 @@ def _decode(
 
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
     forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
+    never = torch.tensor(list(suppress_tokens), dtype=torch.long, device=device)
+    early = torch.tensor(
+        [*suppress_tokens, eos_token_id], dtype=torch.long, device=device
+    )  # < min_new_tokens
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        logits = suppress_logits(forward(t, step_input, positions, done), suppress_tokens)
-        if t < min_new_tokens:
-            logits = suppress_logits(logits, (eos_token_id,))
-        token = next_tokens(
-            logits, uniforms[:, t] if uniforms is not None else None, temperature, top_p, top_k
+        token = pick(
+            forward(t, step_input, positions, done),
+            early if t < min_new_tokens else never,
+            uniforms[:, t] if uniforms is not None else None,
+            temperature,
+            top_p,
+            top_k,
         )
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
