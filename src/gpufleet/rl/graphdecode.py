@@ -17,9 +17,11 @@ with a tensor ``slot``) takes nothing from the host:
   then: the replays run in stream order).
 
 All rows run to the end (the graph's batch is fixed: ``FastDecoder.keep`` refuses), which costs the GPU
-a little work on finished rows and the host nothing. The logits are the eager step's to about 1e-7:
-the attention reduces over the padded length, masked, instead of the written slots (a different
-summation order); the replays give the bits of the same step run eagerly (tested on a GPU).
+a little work on finished rows and the host nothing. The logits are the eager step's and the HF
+forward's within 1e-5 (the attention reduces over the padded length, masked, instead of the written
+slots: a different summation order), and a replay gives the bits of the same step run eagerly (both
+tested on an H200, tests/test_graphdecode.py). The last graph and its memory pool (one step's
+temporaries and the (B, V) logits) stay allocated until the next rollout's capture reuses them.
 
 The first step of a rollout runs eagerly on a side stream (it warms up what the kernels lazily
 initialise, as ``torch.cuda.graphs`` asks), then the step is captured; each later step is one replay.
