@@ -36,7 +36,7 @@ PASSED = ("prompts", "completions", "completion_ids")
 CALL = "fn(prompts=..., completions=..., completion_ids=..., **columns)"
 LOGGING = ("trainer_state", "log_metric", "log_extra")
 """TRL 1.16's keywords for the training state and logging from a reward: passed to a function that
-takes them (a parameter of that name, or **kwargs), as TRL passes them (`rl/rewards.RewardLog`)."""
+takes them (a parameter of that name, or **kwargs), as TRL passes them (`rl/rewardlog.RewardLog`)."""
 TRL_ONLY = ("environments",)
 """Keywords TRL 1.16 passes too and gpufleet does not."""
 
@@ -101,22 +101,24 @@ def call_reward(
     `fn(prompts=, completions=, completion_ids=, **columns)` (`columns` from `reward_columns`), and of
     `logging` (`LOGGING` keywords) what the function takes. An `async def` function (or one returning an
     awaitable) is run to completion, as TRL awaits it."""
-    extra = {k: logging[k] for k in logging or () if _takes(fn, k)}  # looked up only when taken
+    extra = {k: logging[k] for k in _taken(fn, logging or ())}  # looked up only when taken
     out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
     return out
 
 
-def _takes(fn: Callable, keyword: str) -> bool:
-    """Whether `fn` has a parameter `keyword` or **kwargs (an unreadable signature: assumed so)."""
+def _taken(fn: Callable, keywords: Iterable[str]) -> list[str]:
+    """Those of `keywords` that `fn` takes: a parameter of that name, or **kwargs (all of them; so too
+    where its signature cannot be read)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
-        return True
-    return any(
-        p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params
-    )
+        return list(keywords)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return list(keywords)
+    named = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+    return [k for k in keywords if k in named]
 
 
 async def _awaited(awaitable):

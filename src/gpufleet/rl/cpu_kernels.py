@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gpufleet.models.builtin import default_root
+from gpufleet.rl.switches import switched_off
 
 __all__ = [
     "ENV",
@@ -50,7 +51,6 @@ GEMM reuses a weight over many rows better than this kernel's one pass per 6 row
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
-_OFF = {"0", "false", "no", "off"}
 _loaded: dict[str, object] = {}  # "lib": the CDLL, or "reason": why there is none
 
 
@@ -131,7 +131,7 @@ class _Unavailable(Exception):
 
 
 def _compiler() -> str:
-    if os.environ.get(ENV, "1").strip().lower() in _OFF:
+    if switched_off(ENV):
         raise _Unavailable(f"{ENV}={os.environ[ENV]}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise _Unavailable(f"the CPU is {platform.machine()}, not x86-64")

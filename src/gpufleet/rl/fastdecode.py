@@ -40,15 +40,13 @@ the HF path instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode_check import sliding_window, structure_reason, unsupported_reason
 from gpufleet.rl.fastdecode_native import NativeStep
-from gpufleet.rl.fastdecode_ops import Linear, Norm, distinct_rows, rope
+from gpufleet.rl.fastdecode_ops import PROJECTIONS, Layer, Linear, Norm, distinct_rows, rope
 from gpufleet.rl.graphdecode import GraphStep
 
 __all__ = ["FastDecoder"]
@@ -57,30 +55,6 @@ _COPY_LIMIT_BYTES = 1 << 30
 """The decoder copies weights only up to this much memory (1 GiB): on CPU every projection and the head
 in the (in, out) layout (``fastdecode_ops.Linear``) if they fit, else (and on other devices) q/k/v and gate/up fused if
 those fit; bigger models run on views of their parameters (for them the copies save nothing measurable)."""
-
-_PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-
-
-@dataclass
-class _Layer:
-    """One decoder layer's weights (views of the model's parameters, or fused copies of them)."""
-
-    input_norm: Norm
-    qkv: Linear
-    qk_norm: Norm | None
-    """Qwen3: q_norm on the query heads and k_norm on the key heads, at once."""
-    o_proj: Linear
-    post_norm: Norm
-    gate_up: Linear
-    down: Linear
 
 
 class FastDecoder:
@@ -125,7 +99,7 @@ class FastDecoder:
         self.layout = layout or self._layout_that_fits(model, layers)
         self.lm_head = Linear(model.lm_head, layout=self.layout)
         self.vocab = model.lm_head.weight.shape[0]
-        self.layers = [self._read_layer(layer, self.layout) for layer in layers]
+        self.layers = [Layer.of(layer, self.layout) for layer in layers]
         self.native = NativeStep(self) if NativeStep.supports(self) else None  # step() in one C call
         self.graph: GraphStep | None = None  # set by prefill on a GPU: step() as one CUDA graph replay
         # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
@@ -149,30 +123,11 @@ class FastDecoder:
         head = model.lm_head.weight
         if (
             head.device.type == "cpu"
-            and size(_PROJECTIONS) + head.numel() * head.element_size() <= _COPY_LIMIT_BYTES
+            and size(PROJECTIONS) + head.numel() * head.element_size() <= _COPY_LIMIT_BYTES
         ):
             return "panels" if head.dtype == torch.float32 and cpu_kernels.available() else "dense"
-        fused = tuple(name for name in _PROJECTIONS if not name.endswith(("o_proj", "down_proj")))
+        fused = tuple(name for name in PROJECTIONS if not name.endswith(("o_proj", "down_proj")))
         return "fused" if size(fused) <= _COPY_LIMIT_BYTES else "views"
-
-    @staticmethod
-    def _read_layer(layer: torch.nn.Module, layout: str) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        qk_norm = None
-        if hasattr(attn, "q_norm"):
-            heads = attn.q_proj.out_features // attn.head_dim
-            kv_heads = attn.k_proj.out_features // attn.head_dim
-            rows = [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
-            qk_norm = Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
-        return _Layer(
-            input_norm=Norm.of(layer.input_layernorm),
-            qkv=Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout),
-            qk_norm=qk_norm,
-            o_proj=Linear(attn.o_proj, layout=layout),
-            post_norm=Norm.of(layer.post_attention_layernorm),
-            gate_up=Linear(mlp.gate_proj, mlp.up_proj, layout=layout),
-            down=Linear(mlp.down_proj, layout=layout),
-        )
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see ``fastdecode_ops.rope``) of ``positions`` (...,) -> (..., head_dim), computed as
@@ -184,7 +139,7 @@ class FastDecoder:
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _qkv(
-        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+        self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (..., H, D) and k, v (..., H_kv, D) of normed hidden states h (..., hidden); q, k rotated."""
         qk_heads = self.heads + self.kv_heads
@@ -195,7 +150,7 @@ class FastDecoder:
         qk = rope(qk, cos, signed_sin)
         return qk[..., : self.heads, :], qk[..., self.heads :, :], v
 
-    def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp_block(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """x + MLP(post_attention_layernorm(x)): ``down(silu(gate(h)) * up(h))``."""
         gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)

@@ -1,15 +1,17 @@
 """The pieces of a fast decoder step, op by op as in the Hugging Face modules (see rl/fastdecode.py):
-RMSNorm, the linear projections in the weight layout that reads fastest, RoPE, and the grouping of
-repeated prompts."""
+RMSNorm, the linear projections in the weight layout that reads fastest, one decoder layer's weights
+read into them, RoPE, and the grouping of repeated prompts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from gpufleet.rl import cpu_kernels
 
-__all__ = ["Norm", "Linear", "rope", "distinct_rows"]
+__all__ = ["PROJECTIONS", "Norm", "Linear", "Layer", "rope", "distinct_rows"]
 
 _FEW_ROWS = 64
 """On a GPU, matmuls of up to this many rows (decode steps) take the transposed form (``Linear``)."""
@@ -89,6 +91,51 @@ class Linear:
         else:
             outs = [torch.mm(x, wt) if b is None else torch.addmm(b, x, wt) for wt, b in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights (views of the model's parameters, or fused copies of them)."""
+
+    input_norm: Norm
+    qkv: Linear
+    qk_norm: Norm | None
+    """Qwen3: q_norm on the query heads and k_norm on the key heads, at once."""
+    o_proj: Linear
+    post_norm: Norm
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, layout: str) -> Layer:
+        """The weights of an HF decoder layer in ``layout`` (see ``Linear``)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = None
+        if hasattr(attn, "q_norm"):
+            heads = attn.q_proj.out_features // attn.head_dim
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            rows = [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
+            qk_norm = Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
+        return cls(
+            input_norm=Norm.of(layer.input_layernorm),
+            qkv=Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout),
+            qk_norm=qk_norm,
+            o_proj=Linear(attn.o_proj, layout=layout),
+            post_norm=Norm.of(layer.post_attention_layernorm),
+            gate_up=Linear(mlp.gate_proj, mlp.up_proj, layout=layout),
+            down=Linear(mlp.down_proj, layout=layout),
+        )
 
 
 def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

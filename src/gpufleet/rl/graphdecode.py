@@ -31,12 +31,13 @@ A capture that fails turns graphs off for the process with a warning, and the st
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from typing import Any
 
 import torch
+
+from gpufleet.rl.switches import switched_off
 
 FastDecoder = Any
 """A ``fastdecode.FastDecoder`` (not imported: it imports this module)."""
@@ -64,8 +65,7 @@ class GraphStep:
     @staticmethod
     def wanted(decoder: FastDecoder) -> bool:
         """On a CUDA device, unless ``GPUFLEET_CUDA_GRAPHS=0`` or a capture failed in this process."""
-        off = os.environ.get(GRAPHS_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-        return decoder.embed.device.type == "cuda" and not off and not _failed
+        return decoder.embed.device.type == "cuda" and not switched_off(GRAPHS_ENV) and not _failed
 
     def __init__(self, decoder: FastDecoder, capture: bool | None = None):
         batch, _, capacity, _ = decoder.k_cache[0].shape

@@ -32,7 +32,6 @@ time, recomputed in backward. Other models give their completion logits whole, t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import torch
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
 from gpufleet.rl.sampling import pick, row_uniforms
+from gpufleet.rl.switches import switched_off
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
@@ -50,7 +50,6 @@ FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 FUSED_ENV = "GPUFLEET_FUSED_LOGPROBS"
 """Set to 0 to take log-probs from the model's full logits even where ``loghead`` supports the model."""
 
-_OFF = ("0", "false", "no", "off")
 
 _DROP_FRACTION = 0.25
 """The fast decoder drops finished rows once this share of the rows it runs are done (> 1: never)."""
@@ -182,7 +181,7 @@ def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None
     Only a plain model qualifies (a DDP/FSDP wrapper or any other wrapper fails the exact class check of
     ``FastDecoder.unsupported_reason``); ``GPUFLEET_FAST_DECODE=0`` turns the fast path off.
     """
-    if os.environ.get(FAST_DECODE_ENV, "1").strip().lower() in _OFF:
+    if switched_off(FAST_DECODE_ENV):
         return None
     if FastDecoder.unsupported_reason(model, max_length) is not None:
         return None
@@ -217,9 +216,7 @@ def _decode(
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
     forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
     never = torch.tensor(list(suppress_tokens), dtype=torch.long, device=device)
-    early = torch.tensor(
-        [*suppress_tokens, eos_token_id], dtype=torch.long, device=device
-    )  # < min_new_tokens
+    early = torch.tensor([*suppress_tokens, eos_token_id], dtype=torch.long, device=device)  # t < min_new
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
         token = pick(
@@ -352,7 +349,7 @@ def sequence_logprobs(
             logits_to_keep=steps + 1,
         ).logits
 
-    lm = causal_lm(model) if os.environ.get(FUSED_ENV, "1").strip().lower() not in _OFF else None
+    lm = causal_lm(model) if not switched_off(FUSED_ENV) else None
     if lm is not None:
         size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * lm.config.vocab_size))
 
