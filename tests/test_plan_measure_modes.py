@@ -33,7 +33,9 @@ PROMPT, COMPLETION = 8, 16
 def saved_activations(model, ids, mask) -> int:
     """Bytes autograd keeps for backward in `sequence_logprobs`, parameters left out, counted when the
     forward is over: FSDP2 has freed each layer's gathered parameters by then (their storages have size
-    0 until backward gathers them again); the logits (held by the checkpointed log-softmax) added."""
+    0 until backward gathers them again); the logits (held by the checkpointed log-softmax) added.
+    Storages are told apart by their StorageImpl (`_cdata`, kept alive here), not by address: FSDP frees
+    a gathered storage in place, and the allocator may hand its address to a later saved tensor."""
     saved: dict[int, torch.UntypedStorage] = {}
     params = {
         (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
@@ -43,7 +45,7 @@ def saved_activations(model, ids, mask) -> int:
     def pack(t):
         if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in params:
             st = t.untyped_storage()
-            saved.setdefault(st.data_ptr(), st)
+            saved.setdefault(st._cdata, st)
         return t
 
     logits: list[torch.Tensor] = []
@@ -52,7 +54,7 @@ def saved_activations(model, ids, mask) -> int:
         logp, _ = sequence_logprobs(model, ids, mask, PROMPT)
     hook.remove()
     for t in logits:
-        saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
     held = sum(st.nbytes() for st in saved.values())
     logp.float().sum().backward()
     return held
