@@ -38,6 +38,7 @@ from gpufleet.plan.memory import (
 )
 from gpufleet.plan.overhead import overhead_bytes
 from gpufleet.plan.shape import Models
+from gpufleet.rl.switches import FUSED_LAYERS, switched_off
 from gpufleet.topology import Topology
 
 
@@ -135,10 +136,11 @@ class Parts:
     """The models whole in their load dtypes: what a process briefly holds in host RAM while loading."""
 
 
-def _activations(job, pol, run: Precision, sizes: dict) -> Activations:
+def _activations(job, pol, run: Precision, sizes: dict, cpu: bool, env: Mapping[str, str]) -> Activations:
     """One training micro-batch's activations (memory.py), with a LoRA adapter's when there is one."""
+    fused = cpu and not switched_off(FUSED_LAYERS, env)
     acts = train_activations(
-        pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, **sizes
+        pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, cpu=fused, **sizes
     )
     if not job.model.use_peft:
         return acts
@@ -188,7 +190,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     staging = math.ceil(units * prec.weight_bytes / lay.shards) if lay.offload else 0
     return Parts(
         state=state,
-        acts=_activations(job, pol, run, sizes),
+        acts=_activations(job, pol, run, sizes, hw.is_cpu, env),
         roll=rollout_bytes(
             pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
         ),

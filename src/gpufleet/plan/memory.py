@@ -172,22 +172,25 @@ def with_adapter(
     return replace(acts, layers=acts.layers + saved, weight_copies=acts.weight_copies + copies)
 
 
-def _norm_bytes(width: int, in_bytes: int, consumers: int, compute_bytes: int, gemma: bool) -> int:
+def _norm_bytes(
+    width: int, in_bytes: int, consumers: int, compute_bytes: int, gemma: bool, fused: bool = False
+) -> int:
     """Bytes per row an RMSNorm keeps for backward, plus what its consumers keep of its output.
 
-    Llama/Qwen RMSNorm: fp32 x (or its fp32 copy), rsqrt, the normalised x in the input dtype.
-    Gemma RMSNorm: the normalised x stays fp32 (scaled by 1 + weight in fp32).
-    The output is kept once when the consumers use it as is, or once per consumer when autocast casts
-    it (a Linear under autocast keeps its own low-precision copy).
+    Llama/Qwen RMSNorm: fp32 x (or its fp32 copy), rsqrt, the normalised x in the input dtype; `fused`
+    (rl/fusedlayers.py): x and rsqrt only. Gemma RMSNorm: the normalised x stays fp32 (scaled by 1 +
+    weight in fp32). The output is kept once when the consumers use it as is, or once per consumer when
+    autocast casts it (a Linear under autocast keeps its own low-precision copy).
     """
-    saved = 4 * width + 4 + (4 if gemma else in_bytes) * width
+    saved = 4 * width + 4 + (0 if fused else (4 if gemma else in_bytes) * width)
     if consumers:
         saved += width * in_bytes if in_bytes == compute_bytes else consumers * width * compute_bytes
     return saved
 
 
-def _layer_bytes_per_token(arch: Arch, p: Precision, seq: int) -> int:
-    """Bytes one decoder layer keeps for backward, per token, at padded length `seq` (no checkpointing)."""
+def _layer_bytes_per_token(arch: Arch, p: Precision, seq: int, fused: bool = False) -> int:
+    """Bytes one decoder layer keeps for backward, per token, at padded length `seq` (no checkpointing);
+    `fused`: with the CPU's fused norms and SwiGLU (see `train_activations`)."""
     h, inter, n = arch.hidden_size, arch.intermediate_size, arch.num_heads
     q = arch.q_dim
     a, r = p.compute_bytes, p.weight_bytes  # activation dtype; residual stream (embedding) dtype
@@ -204,10 +207,10 @@ def _layer_bytes_per_token(arch: Arch, p: Precision, seq: int) -> int:
             total += 2 * h * a
         return total
     gemma = arch.family in ("gemma", "gemma2")
-    total = _norm_bytes(h, r, 3, a, gemma)  # input norm -> q, k, v
+    total = _norm_bytes(h, r, 3, a, gemma, fused)  # input norm -> q, k, v
     if arch.qk_norm:  # Qwen3: RMSNorm over each head of q and k (input: projection output, dtype a)
-        total += _norm_bytes(q, a, 0, a, False) + 4 * (n - 1)
-        total += _norm_bytes(arch.kv_dim, a, 0, a, False) + 4 * (arch.num_kv_heads - 1)
+        total += _norm_bytes(q, a, 0, a, False, fused) + 4 * (n - 1)
+        total += _norm_bytes(arch.kv_dim, a, 0, a, False, fused) + 4 * (arch.num_kv_heads - 1)
     # q, k and v (expanded to all heads by repeat_kv; a single KV head expands as a view), the output
     # (= o_proj input).
     kv = arch.kv_dim if arch.num_kv_heads == 1 else q
@@ -221,8 +224,9 @@ def _layer_bytes_per_token(arch: Arch, p: Precision, seq: int) -> int:
         total += _norm_bytes(h, r, 2, a, True)  # pre-feedforward norm -> gate, up
         total += _norm_bytes(h, a, 0, a, True)  # post-feedforward norm
     else:
-        total += _norm_bytes(h, r, 2, a, gemma)  # post-attention norm -> gate, up
-    total += 4 * inter * a  # gate out, act(gate), up out, product (= down_proj input)
+        total += _norm_bytes(h, r, 2, a, gemma, fused)  # post-attention norm -> gate, up
+    # gate out, act(gate) (not when fused), up out, product (= down_proj input)
+    total += (3 if fused else 4) * inter * a
     return total
 
 
@@ -304,15 +308,19 @@ def train_activations(
     prompt_tokens: int,
     completion_tokens: int,
     checkpointing: bool,
+    cpu: bool = False,
 ) -> Activations:
-    """Activations of one training micro-batch of `batch` sequences (see the module docstring)."""
+    """Activations of one training micro-batch of `batch` sequences (see the module docstring). `cpu`:
+    on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its norms and SwiGLU
+    fused (rl/fusedlayers.py), which keep less."""
     if batch < 1 or prompt_tokens < 1 or completion_tokens < 1:
         raise ValueError(
             f"batch, prompt_tokens and completion_tokens must be >= 1, got {batch}, {prompt_tokens}, {completion_tokens}"
         )
     b, s, c = batch, prompt_tokens + completion_tokens, completion_tokens + 1
     h, v, a, r = arch.hidden_size, arch.vocab_size, p.compute_bytes, p.weight_bytes
-    layer = _layer_bytes_per_token(arch, p, s) * b * s
+    fused = cpu and arch.family == "llama" and p.compute == "float32" and not checkpointing
+    layer = _layer_bytes_per_token(arch, p, s, fused) * b * s
     tokens = b * s
     if arch.family == "gpt2":
         shared = tokens * 16 + (tokens * h * r if arch.embd_dropout else 0)  # ids, positions, dropout
@@ -321,7 +329,7 @@ def train_activations(
     else:
         shared = tokens * 8 + 2 * tokens * arch.head_dim * r  # token ids; rotary cos and sin
         gemma = arch.family in ("gemma", "gemma2")
-        head = tokens * _norm_bytes(h, r, 0, a, gemma) + b * c * h * a
+        head = tokens * _norm_bytes(h, r, 0, a, gemma, fused) + b * c * h * a
         # The mask checkpointing keeps: SDPA's boolean one; Gemma2's eager float masks (full + sliding).
         mask = b * s * s * (2 * r if arch.family == "gemma2" else 1)
     if checkpointing:  # each layer keeps its input; the mask, rotary tables, position ids are kept once

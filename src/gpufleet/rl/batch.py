@@ -40,9 +40,68 @@ class GenerationBatch:
         n = self.input_ids.shape[0]
         return [self.rows(i, min(i + size, n)) for i in range(0, n, size)]
 
+    def completion_lengths(self) -> list[int]:
+        """Per row, the completion positions a forward must see: up to the last attended one (EOS, or
+        an env episode's last token), 0 for none."""
+        attended = self.attention_mask[:, self.completion_start :] > 0
+        steps = torch.arange(1, attended.shape[1] + 1, device=attended.device)
+        return (attended * steps).amax(dim=1).tolist()
+
+    def pick(self, index: list[int], width: int) -> GenerationBatch:
+        """Rows `index`, in that order, their completions cut to the first `width` positions (what comes
+        after a row's last attended token changes nothing before it in a causal model)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and v.numel():  # a scorer's batch has no mask or advantages
+                v = v[index]
+                if f.name in ("input_ids", "attention_mask"):
+                    v = v[:, : self.completion_start + width]
+                elif v.dim() == 2:
+                    v = v[:, :width]
+            out[f.name] = v
+        return GenerationBatch(**out)
+
+    def micro_batches(self, size: int, split: bool) -> list[tuple[list[int], GenerationBatch]]:
+        """The batch as micro-batches of at most `size` rows, each with its rows' indices: rows longest
+        completion first and each micro-batch cut to its longest (`length_groups`); with `split`, a
+        micro-batch is cut further where one more pass costs less than the padding it saves."""
+        lengths = self.completion_lengths()
+        groups = length_groups(lengths, size, self.completion_start, PASS_TOKENS if split else None)
+        return [(g, self.pick(g, max(1, lengths[g[0]]))) for g in groups]
+
     @property
     def num_tokens(self) -> int:
         return int(self.completion_mask.sum().item())
+
+
+PASS_TOKENS = 64
+"""What one more forward + backward pass costs, in tokens of the batch: measured on the CPU with the
+`small` benchmark model (bench/measure.py), a pass took about 20 ms plus 0.3 ms per token."""
+
+
+def length_groups(lengths: list[int], size: int, fixed: int, pass_tokens: int | None) -> list[list[int]]:
+    """Row indices of the micro-batches: rows by `lengths` longest first (stable), `size` at a time. With
+    `pass_tokens`, a group is cut in two where that lowers its cost, rows x (`fixed` + its longest) summed
+    over the parts plus `pass_tokens` per part, and each part again. Which rows share a micro-batch
+    changes no gradient: the loss's normaliser is the step's (rl/step.py)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    if pass_tokens is None:
+        return groups
+    return [part for g in groups for part in _cut(g, lengths, fixed, pass_tokens)]
+
+
+def _cut(group: list[int], lengths: list[int], fixed: int, pass_tokens: int) -> list[list[int]]:
+    n, longest = len(group), fixed + lengths[group[0]]
+    best, at = n * longest, 0
+    for k in range(1, n):  # the first k rows padded to the longest, the rest to row k's length
+        cost = k * longest + (n - k) * (fixed + lengths[group[k]]) + pass_tokens
+        if cost < best:
+            best, at = cost, k
+    if not at:
+        return [group]
+    return _cut(group[:at], lengths, fixed, pass_tokens) + _cut(group[at:], lengths, fixed, pass_tokens)
 
 
 def reuse_count(job) -> int:
@@ -80,9 +139,12 @@ def logprobs_of(
 ) -> torch.Tensor:
     """No-grad log-probs of the batch's completions under `model` (old or reference log-probs), `micro`
     rows at a time, with `suppress_tokens` at probability 0 as in sampling, and `early` = (EOS id,
-    min_new_tokens): EOS at probability 0 before min_new_tokens, as in sampling."""
-    out = []
-    for mb in batch.split(micro):
+    min_new_tokens): EOS at probability 0 before min_new_tokens, as in sampling. The micro-batches are
+    `GenerationBatch.micro_batches` (cut further on a CPU); past the longest row of its micro-batch a row's
+    log-probs are 0 (the mask leaves them out, as every position past a row's end)."""
+    ids = batch.input_ids
+    out = torch.zeros(ids.shape[0], ids.shape[1] - batch.completion_start, device=ids.device)
+    for index, mb in batch.micro_batches(micro, split=ids.device.type == "cpu"):
         with autocast():
             lp, _ = sequence_logprobs(
                 model,
@@ -94,8 +156,8 @@ def logprobs_of(
                 eos_token_id=early[0],
                 min_new_tokens=early[1],
             )
-        out.append(lp.float())
-    return torch.cat(out)
+        out[index, : lp.shape[1]] = lp.float()
+    return out
 
 
 @dataclass

@@ -316,3 +316,108 @@ void gpufleet_sample_pick(const float* probs, long rows, long vocab, const doubl
         out[r] = pick;
     }
 }
+
+/* ---- training: RMSNorm and SwiGLU, forward and backward (rl/fusedlayers.py) ------------------------
+   One pass over memory each where torch's autograd makes five to ten. Elementwise results do not depend
+   on the thread count; the weight gradient of the norm is summed in blocks of NORM_BLOCK rows, each
+   block in row order, then the blocks in order, whatever the thread count. */
+#define NORM_BLOCK 32
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float dot_n(const float* a, const float* b, long n) {
+  __m256 acc = _mm256_setzero_ps();
+  long i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum8(acc);
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+/* out = weight * (x * rstd) with rstd = 1 / sqrt(mean(x^2) + eps) per row of n values (kept in rstd). */
+void gpufleet_rms_forward(const float* x, const float* weight, float eps, long rows, long n, float* out,
+                          float* rstd, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * n >= 65536)
+  for (long r = 0; r < rows; r++) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    const float s = 1.0f / sqrtf(dot_n(xr, xr, n) / (float)n + eps);
+    rstd[r] = s;
+    for (long i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * s);
+  }
+}
+
+/* gx = rstd * (weight * gy - xhat * mean(weight * gy * xhat)), xhat = x * rstd; with gw != NULL also
+   gw = sum over rows of gy * xhat (partial: ceil(rows / NORM_BLOCK) x n scratch floats). */
+void gpufleet_rms_backward(const float* x, const float* weight, const float* rstd, const float* gy, long rows,
+                           long n, float* gx, float* gw, float* partial, int threads) {
+  const long blocks = (rows + NORM_BLOCK - 1) / NORM_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * n >= 65536)
+  for (long b = 0; b < blocks; b++) {
+    float* part = gw ? partial + b * n : 0;
+    if (part)
+      for (long i = 0; i < n; i++) part[i] = 0.0f;
+    for (long r = b * NORM_BLOCK; r < rows && r < (b + 1) * NORM_BLOCK; r++) {
+      const float *xr = x + r * n, *g = gy + r * n, s = rstd[r];
+      float* o = gx + r * n;
+      __m256 acc = _mm256_setzero_ps();
+      long i = 0;
+      for (; i + 8 <= n; i += 8) {
+        __m256 wg = _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_loadu_ps(g + i));
+        acc = _mm256_fmadd_ps(wg, _mm256_loadu_ps(xr + i), acc);
+      }
+      float sum = hsum8(acc);
+      for (; i < n; i++) sum += weight[i] * g[i] * xr[i];
+      const float mean = sum * s / (float)n;
+      for (long i = 0; i < n; i++) {
+        const float xhat = xr[i] * s;
+        o[i] = s * (weight[i] * g[i] - xhat * mean);
+        if (part) part[i] += g[i] * xhat;
+      }
+    }
+  }
+  if (gw)
+    for (long i = 0; i < n; i++) {
+      float sum = 0.0f;
+      for (long b = 0; b < blocks; b++) sum += partial[b * n + i];
+      gw[i] = sum;
+    }
+}
+
+/* h = silu(g) * u = g / (1 + exp(-g)) * u over `count` values. */
+void gpufleet_swiglu_forward(const float* g, const float* u, long count, float* h, int threads) {
+  const long vectors = count / 8;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && count >= 65536)
+  for (long v = 0; v < vectors; v++) {
+    __m256 x = _mm256_loadu_ps(g + v * 8);
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(h + v * 8, _mm256_mul_ps(silu, _mm256_loadu_ps(u + v * 8)));
+  }
+  for (long i = vectors * 8; i < count; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* With s = sigmoid(g): gu = gh * g * s, gg = gh * u * s * (1 + g * (1 - s)) (torch's silu_backward). */
+void gpufleet_swiglu_backward(const float* g, const float* u, const float* gh, long count, float* gg, float* gu,
+                              int threads) {
+  const long vectors = count / 8;
+  const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && count >= 65536)
+  for (long v = 0; v < vectors; v++) {
+    __m256 x = _mm256_loadu_ps(g + v * 8), d = _mm256_loadu_ps(gh + v * 8);
+    __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(gu + v * 8, _mm256_mul_ps(_mm256_mul_ps(d, x), s));
+    __m256 ds = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(u + v * 8)), s);
+    _mm256_storeu_ps(gg + v * 8, _mm256_mul_ps(ds, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one)));
+  }
+  for (long i = vectors * 8; i < count; i++) {
+    const float s = 1.0f / (1.0f + expf(-g[i]));
+    gu[i] = gh[i] * g[i] * s;
+    gg[i] = gh[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
+  }
+}

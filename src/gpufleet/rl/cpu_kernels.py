@@ -191,4 +191,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_sample_prepare.restype = None
     lib.gpufleet_sample_pick.argtypes = [p, n, n, p, n, p]
     lib.gpufleet_sample_pick.restype = None
+    f = ctypes.c_float
+    lib.gpufleet_rms_forward.argtypes = [p, p, f, n, n, p, p, i]
+    lib.gpufleet_rms_backward.argtypes = [p, p, p, p, n, n, p, p, p, i]
+    lib.gpufleet_swiglu_forward.argtypes = [p, p, n, p, i]
+    lib.gpufleet_swiglu_backward.argtypes = [p, p, p, n, p, p, i]
+    for name in ("rms_forward", "rms_backward", "swiglu_forward", "swiglu_backward"):
+        getattr(lib, f"gpufleet_{name}").restype = None
     return lib

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from gpufleet.rl.fastdecode import FastDecoder
+from gpufleet.rl.fusedlayers import fused_layers
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
 from gpufleet.rl.sampling import pick, row_uniforms
 from gpufleet.rl.switches import switched_off
@@ -341,13 +342,14 @@ def sequence_logprobs(
     settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
 
     def forward() -> torch.Tensor:
-        return model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=steps + 1,
-        ).logits
+        with fused_layers(model):
+            return model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=steps + 1,
+            ).logits
 
     lm = causal_lm(model) if not switched_off(FUSED_ENV) else None
     if lm is not None:

@@ -223,7 +223,8 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
     totals = dict.fromkeys(("loss", "entropy"), 0.0)
-    micro_batches = batch.split(t.micro_batch or t.per_device_batch)
+    split = p.device.type == "cpu"  # one more pass is cheap there (batch.PASS_TOKENS); GPUs are launch-bound
+    micro_batches = [mb for _, mb in batch.micro_batches(t.micro_batch or t.per_device_batch, split)]
     with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
         gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
         opt.zero_grad(set_to_none=True)

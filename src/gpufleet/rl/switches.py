@@ -1,15 +1,21 @@
 """The environment switches of the fast paths (``GPUFLEET_FAST_DECODE``, ``GPUFLEET_FUSED_LOGPROBS``,
-``GPUFLEET_CPU_KERNELS``, ``GPUFLEET_CUDA_GRAPHS``): each is on unless set to 0 / false / no / off."""
+``GPUFLEET_CPU_KERNELS``, ``GPUFLEET_CUDA_GRAPHS``, ``GPUFLEET_FUSED_LAYERS``): each is on unless set to 0 / false / no / off."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
-__all__ = ["switched_off"]
+__all__ = ["FUSED_LAYERS", "switched_off"]
+
+FUSED_LAYERS = "GPUFLEET_FUSED_LAYERS"
+"""Set to 0 to run the models' own RMSNorm and MLP code in the training forward on CPU (rl/fusedlayers.py;
+named here for the planner, which imports no torch)."""
 
 _OFF = ("0", "false", "no", "off")
 
 
-def switched_off(variable: str) -> bool:
-    """Whether environment variable ``variable`` turns its fast path off (unset: on)."""
-    return os.environ.get(variable, "1").strip().lower() in _OFF
+def switched_off(variable: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether environment variable ``variable`` (of ``env``, default the process's) turns its fast path
+    off (unset: on)."""
+    return (os.environ if env is None else env).get(variable, "1").strip().lower() in _OFF

@@ -1,0 +1,162 @@
+"""The fused RMSNorm and SwiGLU of the CPU training forward (rl/fusedlayers.py) against the models' own
+code: values and gradients, thread counts, rows, and the cases that keep the models' own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
+
+from gpufleet.rl import cpu_kernels, fusedlayers
+from gpufleet.rl.fusedlayers import fused_layers, rms_norm, swiglu
+from gpufleet.rl.rollout import sequence_logprobs
+from test_fastdecode import CONFIGS, VOCAB
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))
+
+
+def _norm(width: int) -> Qwen2RMSNorm:
+    norm = Qwen2RMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    return norm
+
+
+def _mlp(hidden: int, inter: int) -> Qwen2MLP:
+    torch.manual_seed(0)
+    return Qwen2MLP(Qwen2Config(hidden_size=hidden, intermediate_size=inter, hidden_act="silu"))
+
+
+def _grads(fn, module, x):
+    """Output, input gradient and parameter gradients of ``fn(module, x)`` under a fixed output gradient."""
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = fn(module, x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+    return [out.detach(), x.grad, *(p.grad for p in module.parameters())]
+
+
+def _own(module, x):
+    return type(module).forward(module, x)
+
+
+@pytest.mark.parametrize("width", [256, 37, 8])
+def test_norm_equals_the_models_norm_forward_and_backward(width):
+    norm = _norm(width)
+    x = torch.randn(3, 7, width, generator=torch.Generator().manual_seed(0)) * 3
+    ours, theirs = _grads(rms_norm, norm, x), _grads(_own, norm, x)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("inter", [96, 45])
+def test_swiglu_equals_the_models_mlp_forward_and_backward(inter):
+    mlp = _mlp(24, inter)
+    x = torch.randn(4, 5, 24, generator=torch.Generator().manual_seed(0)) * 4  # silu's tails included
+    ours, theirs = _grads(swiglu, mlp, x), _grads(_own, mlp, x)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_norm_weight_gets_no_gradient_and_the_input_still_does():
+    norm = _norm(16).requires_grad_(False)
+    x = torch.randn(5, 16, requires_grad=True)
+    rms_norm(norm, x).sum().backward()
+    assert norm.weight.grad is None and x.grad is not None
+
+
+def _fused(kind: str):
+    """The fused part alone (no matmul around it): x -> its output, under torch's autograd."""
+    if kind == "norm":
+        norm = _norm(256)
+        return lambda x: rms_norm(norm, x)
+    return lambda x: fusedlayers._SwiGLU.apply(x[:, :384], x[:, 384:])
+
+
+@pytest.mark.parametrize("kind,width", [("norm", 256), ("swiglu", 768)])
+def test_results_do_not_depend_on_the_thread_count_or_the_other_rows(kind, width):
+    fn = _fused(kind)
+    x = torch.randn(300, width, generator=torch.Generator().manual_seed(0)) * 3  # enough for threads
+    gout = torch.randn(300, 256 if kind == "norm" else 384, generator=torch.Generator().manual_seed(1))
+
+    def run(rows):
+        xr = x[rows].clone().requires_grad_(True)
+        out = fn(xr)
+        out.backward(gout[rows])
+        return out.detach(), xr.grad
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(slice(None))
+        torch.set_num_threads(2)
+        two = run(slice(None))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    alone = run(slice(5, 6))
+    assert torch.equal(alone[0], one[0][5:6]) and torch.equal(alone[1], one[1][5:6])
+
+
+def _model(kind: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[kind]()).to(dtype).train()
+
+
+def _step(model):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    model.zero_grad(set_to_none=True)
+    logp, _ = sequence_logprobs(model, ids, mask, 4)
+    (logp * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).sum().backward()
+    return logp.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "llama-bias-llama3-rope"])
+def test_training_step_equals_the_models_own_code(kind, monkeypatch):
+    model = _model(kind)
+    swapped = []
+    original = fusedlayers._swaps
+    monkeypatch.setattr(fusedlayers, "_swaps", lambda m: swapped.extend(original(m)) or swapped)
+    logp, grads = _step(model)
+    names = {type(m).__name__ for m, _ in swapped}
+    assert any(n.endswith("RMSNorm") for n in names) and any(n.endswith("MLP") for n in names), names
+    assert all("forward" not in m.__dict__ for m, _ in swapped)  # restored after the block
+    monkeypatch.setenv(fusedlayers.ENV, "0")
+    swapped.clear()
+    own_logp, own_grads = _step(model)
+    assert not swapped
+    torch.testing.assert_close(logp, own_logp, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(
+            grad, own_grads[name], rtol=1e-4, atol=5e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def _is_swapped(model) -> bool:
+    with fused_layers(model):
+        return any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_models_own_code_where_fusing_does_not_apply():
+    assert _is_swapped(_model("qwen3"))
+    assert not _is_swapped(_model("qwen3", torch.float64))  # not float32
+    checkpointed = _model("qwen3")
+    checkpointed.gradient_checkpointing_enable()
+    assert not _is_swapped(checkpointed)  # recomputed in backward with the modules' own code
+    with torch.no_grad():
+        assert _is_swapped(checkpointed)  # nothing is recomputed without gradients
+    compiled = _model("qwen3")
+    compiled.model.layers[0].compile()  # sets the compiled call; nothing compiles before a call
+    assert not _is_swapped(compiled)
+
+
+def test_the_swap_is_undone_when_the_forward_fails():
+    model = _model("qwen3")
+    with pytest.raises(RuntimeError), fused_layers(model):
+        raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
