@@ -40,16 +40,29 @@ def test_equals_torch_mm(rows, inner, out, bias):
     weight = torch.randn(out, inner, generator=gen)
     b = torch.randn(out, generator=gen) if bias else None
     x = torch.randn(rows, inner + 5, generator=gen)[:, 2 : inner + 2]  # rows with a stride: no copy needed
-    got = cpu_kernels.matmul(x, cpu_kernels.pack(weight, b))
+    got = cpu_kernels.matmul(x, cpu_kernels.pack([weight], b))
     want = torch.nn.functional.linear(x, weight, b)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * inner**0.5)
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [[16], [7, 20, 3], [1], [32, 32, 5]])
+def test_pack_puts_stacked_weights_in_panels_of_16_zero_past_the_end(rows):
+    gen = torch.Generator().manual_seed(len(rows))
+    weights = [torch.randn(n, 37, generator=gen) for n in rows]
+    packed = cpu_kernels.pack([*weights[:-1], weights[-1].t().contiguous().t()], None)  # any strides
+    stacked = torch.cat(weights)
+    width = cpu_kernels.padded(stacked.shape[0])
+    full = torch.cat([stacked, torch.zeros(width - stacked.shape[0], 37)])
+    assert torch.equal(packed.panels, full.view(width // 16, 16, 37).transpose(1, 2))
+    assert packed.out_features == sum(rows) and packed.bias is None
+
+
+@needs_kernel
 def test_a_row_has_the_same_bits_with_any_rows_and_threads():
     gen = torch.Generator().manual_seed(0)
-    packed = cpu_kernels.pack(torch.randn(100, 256, generator=gen), torch.randn(100, generator=gen))
+    packed = cpu_kernels.pack([torch.randn(100, 256, generator=gen)], torch.randn(100, generator=gen))
     x = torch.randn(16, 256, generator=gen)
     threads = torch.get_num_threads()
     try:
@@ -97,7 +110,7 @@ def test_the_decoder_uses_torch_mm_where_the_kernel_cannot_run(fresh, monkeypatc
     decoder = FastDecoder(model)
     assert decoder.layout == "dense" and decoder.layers[0].qkv.packed is None
     with pytest.raises(RuntimeError, match="not available"):
-        cpu_kernels.matmul(torch.ones(1, 4), cpu_kernels.pack(torch.ones(2, 4)))
+        cpu_kernels.pack([torch.ones(2, 4)])
 
 
 def python_step(decoder: FastDecoder) -> FastDecoder:

@@ -317,6 +317,28 @@ void gpufleet_sample_pick(const float* probs, long rows, long vocab, const doubl
     }
 }
 
+/* Pack `count` weights stacked on their out dimension (weight i: rows[i] x in, row stride in) into
+   panels (width / 16, in, 16), zero past the total rows: one pass, 16 rows read in order at a time. */
+void gpufleet_pack(const float* const* weights, const long* rows, int count, long in, long width,
+                   float* panels) {
+  const float* src[16];
+  int w = 0;
+  long row_in_w = 0;
+  for (long n = 0; n < width / 16; n++) {
+    for (int j = 0; j < 16; j++) {
+      while (w < count && row_in_w >= rows[w]) {
+        w++;
+        row_in_w = 0;
+      }
+      src[j] = w < count ? weights[w] + row_in_w * in : 0;
+      if (w < count) row_in_w++;
+    }
+    float* out = panels + n * in * 16;
+    for (long k = 0; k < in; k++)
+      for (int j = 0; j < 16; j++) out[k * 16 + j] = src[j] ? src[j][k] : 0.0f;
+  }
+}
+
 /* ---- training: RMSNorm and SwiGLU, forward and backward (rl/fusedlayers.py) ------------------------
    One pass over memory each where torch's autograd makes five to ten. Elementwise results do not depend
    on the thread count; the weight gradient of the norm is summed in blocks of NORM_BLOCK rows, each

@@ -69,13 +69,17 @@ def padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
-    """Pack an ``nn.Linear``-layout weight (out, in) and its bias (out,) (a copy, same values)."""
-    out_features, in_features = weight.shape
+def pack(weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> Packed:
+    """Pack float32 ``nn.Linear``-layout weights (out_i, in), stacked on their out dimension, and their
+    bias (sum out_i,): a copy, same values, in one pass (``gpufleet_pack``)."""
+    lib = _library_or_raise()
+    out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
     width = padded(out_features)
-    full = weight.new_zeros(width, in_features)
-    full[:out_features] = weight
-    panels = full.view(width // 16, 16, in_features).transpose(1, 2).contiguous()
+    weights = [w.detach().contiguous() for w in weights]
+    panels = torch.empty(width // 16, in_features, 16, dtype=torch.float32)
+    pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    rows = (ctypes.c_long * len(weights))(*(w.shape[0] for w in weights))
+    lib.gpufleet_pack(pointers, rows, len(weights), in_features, width, panels.data_ptr())
     if bias is not None:
         bias = torch.cat([bias, bias.new_zeros(width - out_features)])
     return Packed(panels, bias, out_features)
@@ -83,9 +87,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
 
 def matmul(x: torch.Tensor, weight: Packed) -> torch.Tensor:
     """``x @ W.T + bias`` for float32 CPU ``x`` (M, in): (M, out), a view of a 16-column-padded result."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU GEMM kernel is not available: {unavailable_reason()}")
+    lib = _library_or_raise()
     if x.stride(-1) != 1:
         x = x.contiguous()
     panels = weight.panels
@@ -103,6 +105,13 @@ def matmul(x: torch.Tensor, weight: Packed) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out if out.shape[1] == weight.out_features else out[:, : weight.out_features]
+
+
+def _library_or_raise() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU GEMM kernel is not available: {unavailable_reason()}")
+    return lib
 
 
 def available() -> bool:
@@ -185,6 +194,8 @@ def _load(path: Path) -> ctypes.CDLL:
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     lib.gpufleet_gemm.argtypes = [i, i, i, p, n, p, p, p, n, i]
     lib.gpufleet_gemm.restype = None
+    lib.gpufleet_pack.argtypes = [p, p, i, n, n, p]
+    lib.gpufleet_pack.restype = None
     lib.gpufleet_decode_step.argtypes = [p]
     lib.gpufleet_decode_step.restype = ctypes.c_int
     lib.gpufleet_sample_prepare.argtypes = [p, n, n, p, n, ctypes.c_float]

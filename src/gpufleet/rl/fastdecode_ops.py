@@ -71,8 +71,7 @@ class Linear:
         bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
         self.packed = None
         if layout == "panels":
-            weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
-            self.packed = cpu_kernels.pack(weight, bias)
+            self.packed = cpu_kernels.pack([m.weight for m in modules], bias)
         if layout == "dense":
             self.parts = [(torch.cat([m.weight.t() for m in modules], dim=1).contiguous(), bias)]
         elif layout == "fused" and len(modules) > 1:

@@ -1,5 +1,6 @@
 """The environment switches of the fast paths (``GPUFLEET_FAST_DECODE``, ``GPUFLEET_FUSED_LOGPROBS``,
-``GPUFLEET_CPU_KERNELS``, ``GPUFLEET_CUDA_GRAPHS``, ``GPUFLEET_FUSED_LAYERS``): each is on unless set to 0 / false / no / off."""
+``GPUFLEET_CPU_KERNELS``, ``GPUFLEET_CUDA_GRAPHS``, ``GPUFLEET_FUSED_LAYERS``, ``GPUFLEET_KEEP_FREED``):
+each is on unless set to 0 / false / no / off."""
 
 from __future__ import annotations
 
