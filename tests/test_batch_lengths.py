@@ -52,7 +52,7 @@ def _batch(lengths: list[int], prompt: int = 3, width: int = 9) -> GenerationBat
 def test_micro_batches_hold_every_row_once_cut_to_their_longest():
     b = _batch([2, 9, 4, 9, 1])
     assert b.completion_lengths() == [2, 9, 4, 9, 1]
-    parts = b.micro_batches(2, split=False)
+    parts = b.micro_batches(2, None)
     assert [index for index, _ in parts] == [[1, 3], [2, 0], [4]]
     for index, mb in parts:
         width = max(b.completion_lengths()[i] for i in index)
@@ -62,6 +62,18 @@ def test_micro_batches_hold_every_row_once_cut_to_their_longest():
         assert torch.equal(mb.completion_mask, b.completion_mask[index, :width])
         assert torch.equal(mb.old_logprobs, b.old_logprobs[index, :width])
         assert torch.equal(mb.advantages, b.advantages[index]) and mb.ref_logprobs is None
+
+
+def test_one_more_pass_costs_more_tokens_the_smaller_the_model():
+    from gpufleet.models import load_causal_lm
+    from gpufleet.models.builtin import materialize
+
+    tiny = load_causal_lm(str(materialize("tiny-qwen2")))  # 2 layers, about 80K weights
+    assert batch_module.pass_tokens(tiny) > 1_000  # a batch of tiny sequences is never cut
+    small = _model()  # qwen3, 2 layers of 64 wide, a wider vocabulary
+    per_layer = sum(p.numel() for p in small.parameters()) / 2
+    assert batch_module.pass_tokens(small) == round(batch_module.PASS_FLOPS / (6 * per_layer))
+    assert batch_module.pass_tokens(torch.nn.Linear(4, 4)) is None  # no decoder layers: never cut
 
 
 def _model():
@@ -77,7 +89,7 @@ def _model():
 def test_logprobs_equal_the_whole_padded_batch(split, monkeypatch):
     b = _batch([2, 9, 4, 9, 1, 3])
     model = _model()
-    monkeypatch.setattr(batch_module, "PASS_TOKENS", 0 if split else 10**6)
+    monkeypatch.setattr(batch_module, "PASS_FLOPS", 0 if split else 1e18)
     calls = []
     original = batch_module.sequence_logprobs
     monkeypatch.setattr(
@@ -100,10 +112,10 @@ def test_gradients_with_length_cut_micro_batches_equal_one_padded_pass(tmp_path,
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     lengths = scored.batch.completion_lengths()
     assert len(set(lengths)) > 2, lengths  # completions of different lengths (this seed)
-    monkeypatch.setattr(batch_module, "PASS_TOKENS", 10**6)  # one pass of all 8 rows, padded
+    monkeypatch.setattr(batch_module, "PASS_FLOPS", 1e18)  # one pass of all 8 rows, padded
     whole = grads_for(job, scored, parts, 8)
-    monkeypatch.setattr(batch_module, "PASS_TOKENS", 0)  # cut wherever padding is saved
-    assert len(scored.batch.micro_batches(8, split=True)) > 1
+    monkeypatch.setattr(batch_module, "PASS_FLOPS", 0)  # cut wherever padding is saved (1 token a pass)
+    assert len(scored.batch.micro_batches(8, batch_module.pass_tokens(parts.policy))) > 1
     cut = grads_for(job, scored, parts, 8)
     for a, b in zip(whole, cut, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from gpufleet.parallel import decoder_layers
 from gpufleet.rl.rollout import Rollout, sequence_logprobs
 
 
@@ -62,12 +63,13 @@ class GenerationBatch:
             out[f.name] = v
         return GenerationBatch(**out)
 
-    def micro_batches(self, size: int, split: bool) -> list[tuple[list[int], GenerationBatch]]:
+    def micro_batches(self, size: int, pass_cost: int | None) -> list[tuple[list[int], GenerationBatch]]:
         """The batch as micro-batches of at most `size` rows, each with its rows' indices: rows longest
-        completion first and each micro-batch cut to its longest (`length_groups`); with `split`, a
-        micro-batch is cut further where one more pass costs less than the padding it saves."""
+        completion first and each micro-batch cut to its longest (`length_groups`); with `pass_cost`
+        (`pass_tokens`), a micro-batch is cut further where one more pass costs less than the padding
+        it saves."""
         lengths = self.completion_lengths()
-        groups = length_groups(lengths, size, self.completion_start, PASS_TOKENS if split else None)
+        groups = length_groups(lengths, size, self.completion_start, pass_cost)
         return [(g, self.pick(g, max(1, lengths[g[0]]))) for g in groups]
 
     @property
@@ -75,9 +77,25 @@ class GenerationBatch:
         return int(self.completion_mask.sum().item())
 
 
-PASS_TOKENS = 64
-"""What one more forward + backward pass costs, in tokens of the batch: measured on the CPU with the
-`small` benchmark model (bench/measure.py), a pass took about 20 ms plus 0.3 ms per token."""
+PASS_FLOPS = 3e8
+"""What one more forward + backward pass costs on a CPU per decoder layer, in FLOPs of the batch's
+tokens: with the `small` benchmark model (bench/measure.py: 4 layers, 3.17M weights) a pass took about
+20 ms beyond its 0.3 ms per token, 64 tokens' worth at 6 x 3.17M FLOPs a token."""
+
+
+def pass_tokens(model: torch.nn.Module) -> int | None:
+    """What one more forward + backward pass of `model` costs in tokens of a batch on a CPU (64 for the
+    `small` benchmark model, 1,250 for the tiny built-in one, 2 for a 0.5B model); None on a GPU, where a
+    pass is hundreds of kernel launches whatever its size, or where the decoder layers are not found."""
+    inner = getattr(model, "module", model)  # DDP
+    first = next(inner.parameters(), None)
+    if first is None or first.device.type != "cpu":
+        return None
+    try:
+        layers = len(decoder_layers(inner))
+    except ValueError:
+        return None
+    return max(1, round(PASS_FLOPS * layers / (6 * sum(p.numel() for p in inner.parameters()))))
 
 
 def length_groups(lengths: list[int], size: int, fixed: int, pass_tokens: int | None) -> list[list[int]]:
@@ -144,7 +162,7 @@ def logprobs_of(
     log-probs are 0 (the mask leaves them out, as every position past a row's end)."""
     ids = batch.input_ids
     out = torch.zeros(ids.shape[0], ids.shape[1] - batch.completion_start, device=ids.device)
-    for index, mb in batch.micro_batches(micro, split=ids.device.type == "cpu"):
+    for index, mb in batch.micro_batches(micro, pass_tokens(model)):
         with autocast():
             lp, _ = sequence_logprobs(
                 model,

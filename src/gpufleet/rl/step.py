@@ -26,6 +26,7 @@ from gpufleet.rl.batch import (
     Scored,
     completion_seed,
     logprobs_of,
+    pass_tokens,
     rank_rows,
     reuse_count,
     tokenize_prompts,
@@ -223,8 +224,8 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     global_tokens = int(all_reduce_sum(rt, float(tokens)).item())
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
     totals = dict.fromkeys(("loss", "entropy"), 0.0)
-    split = p.device.type == "cpu"  # one more pass is cheap there (batch.PASS_TOKENS); GPUs are launch-bound
-    micro_batches = [mb for _, mb in batch.micro_batches(t.micro_batch or t.per_device_batch, split)]
+    micro = t.micro_batch or t.per_device_batch
+    micro_batches = [mb for _, mb in batch.micro_batches(micro, pass_tokens(p.policy))]
     with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
         gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
         opt.zero_grad(set_to_none=True)
