@@ -15,11 +15,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROUNDS = """
-import resource, sys, torch
+import resource
+import numpy as np  # its arrays come from glibc's malloc, as torch's CPU tensors do (no torch import: quick)
 from gpufleet.rl.heap import keep_freed_memory
 print(keep_freed_memory())
-def round_():  # 40 live tensors of 2 MiB, written, then all freed (a step's activations)
-    live = [torch.empty(512 * 1024).fill_(1.0) for _ in range(40)]
+def round_():  # 40 live arrays of 2 MiB, written, then all freed (a step's activations)
+    live = [np.ones(512 * 1024, dtype=np.float32) for _ in range(40)]
     del live
 round_()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
