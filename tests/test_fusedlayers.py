@@ -1,12 +1,13 @@
-"""The fused RMSNorm and SwiGLU of the CPU training forward (rl/fusedlayers.py) against the models' own
-code: values and gradients, thread counts, rows, and the cases that keep the models' own code."""
+"""The fused RMSNorm, SwiGLU and attention (RoPE in C, SDPA over the key/value heads) of the CPU training
+forward (rl/fusedlayers.py) against the models' own code: values and gradients, thread counts, rows, and
+the cases that keep the models' own code."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
-from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, apply_rotary_pos_emb
 
 from gpufleet.rl import cpu_kernels, fusedlayers
 from gpufleet.rl.fusedlayers import fused_layers, rms_norm, swiglu
@@ -64,6 +65,21 @@ def test_frozen_norm_weight_gets_no_gradient_and_the_input_still_does():
     x = torch.randn(5, 16, requires_grad=True)
     rms_norm(norm, x).sum().backward()
     assert norm.weight.grad is None and x.grad is not None
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])  # 8-float vectors; a scalar tail (half of 12 is 6)
+@pytest.mark.parametrize("shared", [True, False], ids=["cos-1xTxD", "cos-BxTxD"])
+def test_rope_has_the_bits_of_the_models_rope_forward_and_backward(head_dim, shared):
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(3, 7, 4, head_dim, generator=g, requires_grad=True)  # (B, T, H, D): a projection's view
+    angles = torch.randn(1 if shared else 3, 7, head_dim // 2, generator=g) * 3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos() * 0.9, emb.sin() * 0.9  # attention_scaling != 1
+    theirs, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    ours = fusedlayers._Rope.apply(x, cos, sin)
+    assert ours.is_contiguous() and torch.equal(ours, theirs)
+    gout = torch.randn(theirs.shape, generator=g)
+    assert torch.equal(torch.autograd.grad(ours, x, gout)[0], torch.autograd.grad(theirs, x, gout)[0])
 
 
 def _fused(kind: str):
@@ -124,7 +140,9 @@ def test_training_step_equals_the_models_own_code(kind, monkeypatch):
     monkeypatch.setattr(fusedlayers, "_swaps", lambda m: swapped.extend(original(m)) or swapped)
     logp, grads = _step(model)
     names = {type(m).__name__ for m, _ in swapped}
-    assert any(n.endswith("RMSNorm") for n in names) and any(n.endswith("MLP") for n in names), names
+    assert {"RMSNorm", "MLP", "Attention"} <= {n.removeprefix(kind.split("-")[0].title()) for n in names}, (
+        names
+    )
     assert all("forward" not in m.__dict__ for m, _ in swapped)  # restored after the block
     monkeypatch.setenv(fusedlayers.ENV, "0")
     swapped.clear()
@@ -160,3 +178,54 @@ def test_the_swap_is_undone_when_the_forward_fails():
     with pytest.raises(RuntimeError), fused_layers(model):
         raise RuntimeError("boom")
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    "kind", ["mistral", "llama-bias-llama3-rope", "qwen2-yarn-rope"]
+)  # KV heads 1, 4/4, 2
+@pytest.mark.parametrize("padded", [True, False])
+def test_attention_has_the_bits_of_the_modules_own_code_forward_and_backward(kind, padded):
+    model = _model(kind)
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 9, model.config.hidden_size, generator=g)
+    cos, sin = model.model.rotary_emb(x, torch.arange(9)[None].expand(3, 9))
+    mask = None  # SDPA's causal attention, as Hugging Face passes it without padding
+    if padded:  # a left-padded row: a boolean mask, pad queries seeing themselves
+        mask = torch.ones(3, 1, 9, 9, dtype=torch.bool).tril()
+        mask[0, :, :, :3] = False
+        mask |= torch.eye(9, dtype=torch.bool)
+    gout = torch.randn(3, 9, model.config.hidden_size, generator=g)
+
+    def run(forward):
+        xr = x.clone().requires_grad_(True)
+        attn.zero_grad(set_to_none=True)
+        out = forward(attn, xr, (cos, sin), mask)[0]
+        out.backward(gout)
+        return [out.detach(), xr.grad, *(p.grad for p in attn.parameters())]
+
+    with fused_layers(model):
+        assert "forward" in attn.__dict__
+    for ours, theirs in zip(run(fusedlayers.attention), run(type(attn).forward), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_attention_takes_its_own_code_where_fusing_does_not_apply(monkeypatch):
+    model = _model("qwen3")
+    calls = []
+    real = fusedlayers._Rope.apply
+    monkeypatch.setattr(fusedlayers._Rope, "apply", lambda *args: calls.append(1) or real(*args))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    logp, _ = _step(model)
+    assert calls  # SDPA, float32, no cache: fused
+    calls.clear()
+    model.set_attn_implementation("eager")
+    eager, _ = _step(model)
+    assert not calls
+    torch.testing.assert_close(logp, eager, rtol=0, atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), fused_layers(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=True)  # a cache (Hugging Face's decoding)
+    assert not calls

@@ -147,7 +147,7 @@ def test_activations_within_15_percent(name, prompt, completion, checkpointing, 
         prompt_tokens=prompt,
         completion_tokens=completion,
         checkpointing=checkpointing,
-        cpu=True,  # measured on the CPU: fused norms and SwiGLU in fp32 (rl/fusedlayers.py)
+        fused_cpu=True,  # measured on the CPU: fused norms, SwiGLU and attention in fp32 (rl/fusedlayers.py)
     ).saved
     assert abs(predicted / measured - 1) <= 0.15, (measured, predicted)
 

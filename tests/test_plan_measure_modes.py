@@ -105,7 +105,7 @@ def test_fsdp_mixed_precision_and_sharded_reference_as_planned(tmp_path):
         prompt_tokens=PROMPT,
         completion_tokens=COMPLETION,
         checkpointing=False,
-        cpu=True,  # bf16 compute: nothing fused
+        fused_cpu=True,  # bf16 compute: nothing fused
     ).saved
     for rank in (0, 1):
         m = json.loads(open(f"{out}.{rank}").read())
@@ -151,7 +151,7 @@ def test_lora_as_planned(base):
         prompt_tokens=PROMPT,
         completion_tokens=COMPLETION,
         checkpointing=False,
-        cpu=True,  # measured on the CPU: fp32 runs its norms and SwiGLU fused (rl/fusedlayers.py)
+        fused_cpu=True,  # measured on the CPU: fp32 runs its norms, SwiGLU and attention fused (rl/fusedlayers.py)
     )
     width = adapted_width(config, section)
     predicted = with_adapter(plain, adapter, width, 3 * (PROMPT + COMPLETION), Precision(name, name)).saved

@@ -211,9 +211,9 @@ def _layer_bytes_per_token(arch: Arch, p: Precision, seq: int, fused: bool = Fal
     if arch.qk_norm:  # Qwen3: RMSNorm over each head of q and k (input: projection output, dtype a)
         total += _norm_bytes(q, a, 0, a, False, fused) + 4 * (n - 1)
         total += _norm_bytes(arch.kv_dim, a, 0, a, False, fused) + 4 * (arch.num_kv_heads - 1)
-    # q, k and v (expanded to all heads by repeat_kv; a single KV head expands as a view), the output
-    # (= o_proj input).
-    kv = arch.kv_dim if arch.num_kv_heads == 1 else q
+    # q, k and v (expanded to all heads by repeat_kv; a single KV head expands as a view; fused: SDPA
+    # takes the key/value heads as they are), the output (= o_proj input).
+    kv = arch.kv_dim if arch.num_kv_heads == 1 or fused else q
     total += 2 * q * a + 2 * kv * a
     if arch.eager_attention:  # Gemma2: tanh(scores) in a, fp32 softmax, its cast back to a
         total += n * seq * (a + 4 + (a if a != 4 else 0))
@@ -308,7 +308,7 @@ def train_activations(
     prompt_tokens: int,
     completion_tokens: int,
     checkpointing: bool,
-    cpu: bool = False,
+    fused_cpu: bool = False,
 ) -> Activations:
     """Activations of one training micro-batch of `batch` sequences (see the module docstring). `cpu`:
     on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its norms and SwiGLU
@@ -319,7 +319,7 @@ def train_activations(
         )
     b, s, c = batch, prompt_tokens + completion_tokens, completion_tokens + 1
     h, v, a, r = arch.hidden_size, arch.vocab_size, p.compute_bytes, p.weight_bytes
-    fused = cpu and arch.family == "llama" and p.compute == "float32" and not checkpointing
+    fused = fused_cpu and arch.family == "llama" and p.compute == "float32" and not checkpointing
     layer = _layer_bytes_per_token(arch, p, s, fused) * b * s
     tokens = b * s
     if arch.family == "gpt2":

@@ -10,7 +10,7 @@
    Every output element is one sequential fused multiply-add sum over k (then + bias), computed by one
    thread: the result does not depend on the thread count or on the other rows. OpenMP threads (the
    caller passes torch's thread count) split the panels. */
-#include <immintrin.h>
+#include "simd.h"
 
 #ifndef PREFETCH_FLOATS
 #define PREFETCH_FLOATS 4096
@@ -109,24 +109,6 @@ typedef struct {
 
 #define PAD16(n) (((n) + 15) / 16 * 16)
 
-/* exp for the SwiGLU: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
-   within 2 ulp over [-88.4, 88.4]; inputs are clamped there (silu needs no more). */
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
 /* out = weight * (x * rsqrt(mean(x^2) + eps)) over n values (HF *RMSNorm in float32). */
 static void rms_norm(const float* x, const float* weight, float eps, int n, float* out) {
   float sum = 0.0f;
@@ -137,10 +119,12 @@ static void rms_norm(const float* x, const float* weight, float eps, int n, floa
 
 /* x * cos + rotate_half(x) * sin, in place over one head (signed_sin = cat(-sin, sin)). */
 static void rope(float* x, const float* cos, const float* signed_sin, int d) {
-  float rotated[d];
-  int half = d / 2;
-  for (int i = 0; i < d; i++) rotated[i] = x[i] * cos[i] + x[(i + half) % d] * signed_sin[i];
-  for (int i = 0; i < d; i++) x[i] = rotated[i];
+  const int half = d / 2;
+  for (int i = 0; i < half; i++) {
+    const float lo = x[i], hi = x[i + half];
+    x[i] = lo * cos[i] + hi * signed_sin[i];
+    x[i + half] = hi * cos[i + half] + lo * signed_sin[i + half];
+  }
 }
 
 /* q . k over d values: 8 lanes, two accumulators, then the lanes summed. */
@@ -152,32 +136,36 @@ static inline float dot(const float* q, const float* k, int d) {
     b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
   }
   for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-  a = _mm256_add_ps(a, b);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  float sum = _mm_cvtss_f32(h);
+  float sum = hsum8(_mm256_add_ps(a, b));
   for (; i < d; i++) sum += q[i] * k[i];
   return sum;
 }
 
-/* One query head against keys / values 0..length-1 of its key/value head. */
+/* One query head against keys / values 0..length-1 of its key/value head: the scores, their softmax
+   (exp 8 at a time), then out = sum_j p_j v_j with 8 floats of out per register, 32 at a time. */
 static void attend(const gf_step* s, const float* q, const float* keys, const float* values,
                    const float* mask, int length, float* out) {
   int d = s->head_dim;
-  float scores[length];
+  float scores[length + 8];
   float top = -INFINITY;
   for (int j = 0; j < length; j++) {
     scores[j] = dot(q, keys + (long)j * d, d) * s->scaling + (mask ? mask[j] : 0.0f);
     if (scores[j] > top) top = scores[j];
   }
-  float total = 0.0f;
-  for (int j = 0; j < length; j++) total += (scores[j] = expf(scores[j] - top));
-  for (int j = 0; j < length; j++) scores[j] /= total;
+  int j = 0;
+  __m256 sum8 = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top);
+  for (; j + 8 <= length; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top8));
+    _mm256_storeu_ps(scores + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = hsum8(sum8);
+  for (; j < length; j++) total += (scores[j] = expf(scores[j] - top));
+  const float inv = 1.0f / total;
   int i = 0;
   for (; i + 32 <= d; i += 32) {  /* out[i..i+31] = sum_j p_j v_j[i..i+31], in registers */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int j = 0; j < length; j++) {
+    for (j = 0; j < length; j++) {
       const float* v = values + (long)j * d + i;
       __m256 p = _mm256_set1_ps(scores[j]);
       a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
@@ -185,15 +173,16 @@ static void attend(const gf_step* s, const float* q, const float* keys, const fl
       a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
       a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
     }
-    _mm256_storeu_ps(out + i, a0);
-    _mm256_storeu_ps(out + i + 8, a1);
-    _mm256_storeu_ps(out + i + 16, a2);
-    _mm256_storeu_ps(out + i + 24, a3);
+    __m256 inv8 = _mm256_set1_ps(inv);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(a0, inv8));
+    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(a1, inv8));
+    _mm256_storeu_ps(out + i + 16, _mm256_mul_ps(a2, inv8));
+    _mm256_storeu_ps(out + i + 24, _mm256_mul_ps(a3, inv8));
   }
   for (; i < d; i++) {
     float sum = 0.0f;
-    for (int j = 0; j < length; j++) sum += scores[j] * values[(long)j * d + i];
-    out[i] = sum;
+    for (j = 0; j < length; j++) sum += scores[j] * values[(long)j * d + i];
+    out[i] = sum * inv;
   }
 }
 
@@ -336,110 +325,5 @@ void gpufleet_pack(const float* const* weights, const long* rows, int count, lon
     float* out = panels + n * in * 16;
     for (long k = 0; k < in; k++)
       for (int j = 0; j < 16; j++) out[k * 16 + j] = src[j] ? src[j][k] : 0.0f;
-  }
-}
-
-/* ---- training: RMSNorm and SwiGLU, forward and backward (rl/fusedlayers.py) ------------------------
-   One pass over memory each where torch's autograd makes five to ten. Elementwise results do not depend
-   on the thread count; the weight gradient of the norm is summed in blocks of NORM_BLOCK rows, each
-   block in row order, then the blocks in order, whatever the thread count. */
-#define NORM_BLOCK 32
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-static inline float dot_n(const float* a, const float* b, long n) {
-  __m256 acc = _mm256_setzero_ps();
-  long i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = hsum8(acc);
-  for (; i < n; i++) sum += a[i] * b[i];
-  return sum;
-}
-
-/* out = weight * (x * rstd) with rstd = 1 / sqrt(mean(x^2) + eps) per row of n values (kept in rstd). */
-void gpufleet_rms_forward(const float* x, const float* weight, float eps, long rows, long n, float* out,
-                          float* rstd, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * n >= 65536)
-  for (long r = 0; r < rows; r++) {
-    const float* xr = x + r * n;
-    float* o = out + r * n;
-    const float s = 1.0f / sqrtf(dot_n(xr, xr, n) / (float)n + eps);
-    rstd[r] = s;
-    for (long i = 0; i < n; i++) o[i] = weight[i] * (xr[i] * s);
-  }
-}
-
-/* gx = rstd * (weight * gy - xhat * mean(weight * gy * xhat)), xhat = x * rstd; with gw != NULL also
-   gw = sum over rows of gy * xhat (partial: ceil(rows / NORM_BLOCK) x n scratch floats). */
-void gpufleet_rms_backward(const float* x, const float* weight, const float* rstd, const float* gy, long rows,
-                           long n, float* gx, float* gw, float* partial, int threads) {
-  const long blocks = (rows + NORM_BLOCK - 1) / NORM_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * n >= 65536)
-  for (long b = 0; b < blocks; b++) {
-    float* part = gw ? partial + b * n : 0;
-    if (part)
-      for (long i = 0; i < n; i++) part[i] = 0.0f;
-    for (long r = b * NORM_BLOCK; r < rows && r < (b + 1) * NORM_BLOCK; r++) {
-      const float *xr = x + r * n, *g = gy + r * n, s = rstd[r];
-      float* o = gx + r * n;
-      __m256 acc = _mm256_setzero_ps();
-      long i = 0;
-      for (; i + 8 <= n; i += 8) {
-        __m256 wg = _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_loadu_ps(g + i));
-        acc = _mm256_fmadd_ps(wg, _mm256_loadu_ps(xr + i), acc);
-      }
-      float sum = hsum8(acc);
-      for (; i < n; i++) sum += weight[i] * g[i] * xr[i];
-      const float mean = sum * s / (float)n;
-      for (long i = 0; i < n; i++) {
-        const float xhat = xr[i] * s;
-        o[i] = s * (weight[i] * g[i] - xhat * mean);
-        if (part) part[i] += g[i] * xhat;
-      }
-    }
-  }
-  if (gw)
-    for (long i = 0; i < n; i++) {
-      float sum = 0.0f;
-      for (long b = 0; b < blocks; b++) sum += partial[b * n + i];
-      gw[i] = sum;
-    }
-}
-
-/* h = silu(g) * u = g / (1 + exp(-g)) * u over `count` values. */
-void gpufleet_swiglu_forward(const float* g, const float* u, long count, float* h, int threads) {
-  const long vectors = count / 8;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && count >= 65536)
-  for (long v = 0; v < vectors; v++) {
-    __m256 x = _mm256_loadu_ps(g + v * 8);
-    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-    __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    _mm256_storeu_ps(h + v * 8, _mm256_mul_ps(silu, _mm256_loadu_ps(u + v * 8)));
-  }
-  for (long i = vectors * 8; i < count; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-/* With s = sigmoid(g): gu = gh * g * s, gg = gh * u * s * (1 + g * (1 - s)) (torch's silu_backward). */
-void gpufleet_swiglu_backward(const float* g, const float* u, const float* gh, long count, float* gg, float* gu,
-                              int threads) {
-  const long vectors = count / 8;
-  const __m256 one = _mm256_set1_ps(1.0f);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && count >= 65536)
-  for (long v = 0; v < vectors; v++) {
-    __m256 x = _mm256_loadu_ps(g + v * 8), d = _mm256_loadu_ps(gh + v * 8);
-    __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-    _mm256_storeu_ps(gu + v * 8, _mm256_mul_ps(_mm256_mul_ps(d, x), s));
-    __m256 ds = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(u + v * 8)), s);
-    _mm256_storeu_ps(gg + v * 8, _mm256_mul_ps(ds, _mm256_fmadd_ps(x, _mm256_sub_ps(one, s), one)));
-  }
-  for (long i = vectors * 8; i < count; i++) {
-    const float s = 1.0f / (1.0f + expf(-g[i]));
-    gu[i] = gh[i] * g[i] * s;
-    gg[i] = gh[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
   }
 }

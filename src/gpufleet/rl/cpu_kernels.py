@@ -50,6 +50,8 @@ MAX_ROWS = 64
 GEMM reuses a weight over many rows better than this kernel's one pass per 6 rows."""
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_SOURCES = (_SOURCE, _SOURCE.with_name("layer_kernels.c"))
+_HEADER = _SOURCE.with_name("simd.h")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 _loaded: dict[str, object] = {}  # "lib": the CDLL, or "reason": why there is none
 
@@ -156,7 +158,7 @@ def _compiler() -> str:
 def _build() -> Path:
     """The compiled kernel's path: built once per source, compiler and flags."""
     compiler = _compiler()
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))
     key = hashlib.sha256(source + compiler.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     for folder in (
         default_root() / "kernels",
@@ -172,7 +174,7 @@ def _build() -> Path:
         errors = []
         for openmp in (("-fopenmp",), ()):  # without OpenMP the kernel runs on one thread
             partial = folder / f".cpu_kernels-{key}.{os.getpid()}.so"
-            cmd = [compiler, *_FLAGS, *openmp, "-o", str(partial), str(_SOURCE)]
+            cmd = [compiler, *_FLAGS, *openmp, "-o", str(partial), *map(str, _SOURCES)]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -207,6 +209,15 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_rms_backward.argtypes = [p, p, p, p, n, n, p, p, p, i]
     lib.gpufleet_swiglu_forward.argtypes = [p, p, n, p, i]
     lib.gpufleet_swiglu_backward.argtypes = [p, p, p, n, p, p, i]
-    for name in ("rms_forward", "rms_backward", "swiglu_forward", "swiglu_backward"):
+    lib.gpufleet_rope_forward.argtypes = [p, p, p, n, n, n, n, i, p, i]
+    lib.gpufleet_rope_backward.argtypes = [p, p, p, n, n, n, n, i, p, i]
+    for name in (
+        "rms_forward",
+        "rms_backward",
+        "swiglu_forward",
+        "swiglu_backward",
+        "rope_forward",
+        "rope_backward",
+    ):
         getattr(lib, f"gpufleet_{name}").restype = None
     return lib

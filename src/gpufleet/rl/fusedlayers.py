@@ -1,26 +1,35 @@
-"""The training forward's RMSNorm and SwiGLU on CPU, each one C pass forward and one backward.
+"""The training forward's RMSNorm, SwiGLU and attention on CPU: the norm and the SwiGLU one C pass each
+way, RoPE one C pass each way, SDPA over the key/value heads as they are.
 
 Hugging Face's ``*RMSNorm`` is six tensor operations (power, mean, add, rsqrt, two products) and its
 backward under autograd about ten more; ``act_fn(gate) * up`` is two operations and three backward. On
 the CPU each of them is a pass over (batch x tokens x width) floats, a fresh allocation and its page
 faults: in the ``small`` benchmark's policy forward + backward the norms took about 8% and the SwiGLU
-about 7% of the time, the matmuls around them 68%. Here (``cpu_kernels.c``: ``gpufleet_rms_*``,
+about 7% of the time, the matmuls around them 68%. Here (``layer_kernels.c``: ``gpufleet_rms_*``,
 ``gpufleet_swiglu_*``) each is one pass forward and one backward, saving for backward only its input (the
-norm: and one float per row; the SwiGLU: gate and up, not the activation too).
+norm: and one float per row; the SwiGLU: gate and up, not the activation too). The attention module's
+RoPE (``apply_rotary_pos_emb``: a ``cat``, a negation, two products and a sum for q and for k, each
+with its backward) is one pass (``gpufleet_rope_*``) that also writes q and k in the layout SDPA takes,
+and SDPA gets the key/value heads with ``enable_gqa`` instead of ``repeat_kv``'s copies for every query
+head (Hugging Face passes ``enable_gqa`` only without a mask, for CUDA's sake); the ``small`` model's
+forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs).
 
-``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``, and the
-``MLP_CLASSES`` whose activation is SiLU) for the length of a block, as ``loghead.fused_head`` swaps the
-head; ``sequence_logprobs`` uses it around its forward. It applies only where all of this holds: the
-model's first parameter is a float32 CPU tensor, the C kernels run here (``cpu_kernels.available``), no
-layer is compiled (``train.torch_compile``: the compiled layers trace the modules' own code), no layer
-is checkpointed in a forward that keeps gradients (``model.gradient_checkpointing``: its recomputation in
-backward runs after the block, with the modules' own code), and ``GPUFLEET_FUSED_LAYERS`` is not 0. Each call checks its own input too (float32, on the CPU) and takes
-the module's own forward otherwise.
+``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``,
+``ATTENTION_CLASSES``, and the ``MLP_CLASSES`` whose activation is SiLU) for the length of a block, as
+``loghead.fused_head`` swaps the head; ``sequence_logprobs`` uses it around its forward. It applies only
+where all of this holds: the model's first parameter is a float32 CPU tensor, the C kernels run here
+(``cpu_kernels.available``), no layer is compiled (``train.torch_compile``: the compiled layers trace the
+modules' own code), no layer is checkpointed in a forward that keeps gradients
+(``model.gradient_checkpointing``: its recomputation in backward runs after the block, with the modules'
+own code), and ``GPUFLEET_FUSED_LAYERS`` is not 0. Each call checks its own input too (float32, on the
+CPU; the attention: SDPA the model's attention function, no cache, no autocast) and takes the module's
+own forward otherwise.
 
 Results differ from the torch operations by rounding only (the row's sum of squares in another order,
-Cephes' ``expf``): forward within 1e-6 relative, gradients within a few 1e-6 (tested; TRL's gradient
-equality in ``bench/trl_grad_equal.py``: 1.8e-7 with them, 1.2e-7 without). They do not depend on the thread count; each
-row's result does not depend on the other rows.
+Cephes' ``expf``): forward within 1e-6 relative, gradients within a few 1e-6 (tested). The attention
+module has the same bits as its own code, forward and backward (RoPE rounds as torch does; SDPA's
+grouped heads sum as the repeated ones; tested). TRL's gradient equality: bench/trl_grad_equal.py.
+They do not depend on the thread count; each row's result does not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -33,7 +42,16 @@ import torch
 from gpufleet.rl import cpu_kernels
 from gpufleet.rl.switches import FUSED_LAYERS, switched_off
 
-__all__ = ["ENV", "MLP_CLASSES", "NORM_CLASSES", "fused_layers", "rms_norm", "swiglu"]
+__all__ = [
+    "ATTENTION_CLASSES",
+    "ENV",
+    "MLP_CLASSES",
+    "NORM_CLASSES",
+    "attention",
+    "fused_layers",
+    "rms_norm",
+    "swiglu",
+]
 
 ENV = FUSED_LAYERS
 """Set to 0 to run the models' own RMSNorm and MLP code in the training forward on CPU."""
@@ -58,9 +76,22 @@ MLP_CLASSES = frozenset(
 )
 """MLPs computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; fused where ``act_fn`` is SiLU."""
 
+ATTENTION_CLASSES = frozenset(
+    {
+        "LlamaAttention",
+        "MistralAttention",
+        "Qwen2Attention",
+        "Qwen2MoeAttention",
+        "Qwen3Attention",
+        "Qwen3MoeAttention",
+    }
+)
+"""Attention modules computing q / k / v projections (Qwen3: each head's q and k through ``q_norm`` /
+``k_norm``), RoPE by ``apply_rotary_pos_emb``, the model's attention function, ``o_proj``; fused (RoPE in
+C, SDPA with grouped heads) where that function is SDPA."""
 
 _NORM_BLOCK = 32
-"""Rows per partial sum of the norm's weight gradient: ``NORM_BLOCK`` in ``cpu_kernels.c``."""
+"""Rows per partial sum of the norm's weight gradient: ``NORM_BLOCK`` in ``layer_kernels.c``."""
 
 
 def _threads() -> int:
@@ -137,6 +168,52 @@ class _SwiGLU(torch.autograd.Function):
         return gg, gu
 
 
+class _Rope(torch.autograd.Function):
+    """x (B, T, H, D) -> RoPE(x) as (B, H, T, D), contiguous; ``cos``, ``sin``: (B or 1, T, D)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, tokens, heads, d = x.shape
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out = x.new_empty(batch, heads, tokens, d)
+        cs_batch = 0 if cos.shape[0] == 1 else tokens * d
+        cpu_kernels.library().gpufleet_rope_forward(
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cs_batch,
+            batch,
+            tokens,
+            heads,
+            d,
+            out.data_ptr(),
+            _threads(),
+        )
+        ctx.save_for_backward(cos, sin)
+        ctx.cs_batch = cs_batch
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        g = g.contiguous()
+        batch, heads, tokens, d = g.shape
+        gx = g.new_empty(batch, tokens, heads, d)
+        cpu_kernels.library().gpufleet_rope_backward(
+            g.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            ctx.cs_batch,
+            batch,
+            tokens,
+            heads,
+            d,
+            gx.data_ptr(),
+            _threads(),
+        )
+        return gx, None, None
+
+
 def _fits(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
@@ -156,40 +233,90 @@ def swiglu(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.down_proj(module.act_fn(gate) * up)
 
 
-def _fusible(model: torch.nn.Module) -> bool:
-    first = next(model.parameters(), None)
-    if first is None or switched_off(ENV) or not _fits(first):
-        return False
-    for m in model.modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            return False
-        if getattr(m, "gradient_checkpointing", False) is True and m.training and torch.is_grad_enabled():
-            return False  # the layers are recomputed in backward, after the block: as they ran first
-    return cpu_kernels.available()
+def attention(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``module`` (one of ``ATTENTION_CLASSES``) as its own forward computes it, with RoPE one C pass each
+    way that also lays q and k out for SDPA, and SDPA given the key/value heads as they are
+    (``enable_gqa``) instead of copies repeated for every query head. Only without a cache, with the
+    model's attention function SDPA, no attention dropout in training, float32 CPU inputs and weights and
+    no autocast; otherwise the module's own forward."""
+    cos, sin = position_embeddings
+    own = (
+        past_key_values is not None
+        or module.config._attn_implementation != "sdpa"
+        or (module.training and module.attention_dropout > 0)
+        or kwargs.get("output_attentions")
+        or cos.requires_grad
+        or not _fits(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight)
+        or torch.is_autocast_enabled("cpu")  # the projections would be in another dtype
+        or cos.shape != sin.shape
+        or cos.dim() != 3
+        or cos.shape[0] not in (1, hidden_states.shape[0])
+        or module.head_dim % 2
+    )
+    if own:
+        return type(module).forward(
+            module, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
+    batch, tokens = hidden_states.shape[:2]
+    shape = (batch, tokens, -1, module.head_dim)
+    q, k = module.q_proj(hidden_states).view(shape), module.k_proj(hidden_states).view(shape)
+    if hasattr(module, "q_norm"):  # Qwen3: RMSNorm over each head
+        q, k = module.q_norm(q), module.k_norm(k)
+    q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+    v = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attention_mask,
+        scale=module.scaling,
+        is_causal=attention_mask is None and tokens > 1 and getattr(module, "is_causal", True),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return module.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1)), None
 
 
 def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """The (module, fused forward) pairs of ``model``, in one walk over its modules; none where fusing
+    does not apply (see the module docstring)."""
     from transformers.activations import SiLUActivation
 
+    first = next(model.parameters(), None)
+    if first is None or switched_off(ENV) or not _fits(first):
+        return []
+    recomputed = model.training and torch.is_grad_enabled()
     swaps = []
     for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return []
+        if recomputed and getattr(module, "gradient_checkpointing", False) is True:
+            return []  # the layers are recomputed in backward, after the block: as they ran first
         name = type(module).__name__.removeprefix("FSDP")  # fully_shard makes the class FSDP<name>
         if "forward" in module.__dict__:  # someone else's instance forward (a hook library's): left alone
             continue
         if name in NORM_CLASSES and hasattr(module, "variance_epsilon"):
             swaps.append((module, rms_norm))
+        elif name in ATTENTION_CLASSES:
+            swaps.append((module, attention))
         elif name in MLP_CLASSES and isinstance(
             getattr(module, "act_fn", None), (torch.nn.SiLU, SiLUActivation)
         ):
             swaps.append((module, swiglu))
-    return swaps
+    return swaps if swaps and cpu_kernels.available() else []
 
 
 @contextlib.contextmanager
 def fused_layers(model: torch.nn.Module) -> Iterator[None]:
     """For the length of the block, the supported norms and MLPs of ``model`` run fused (see the module
     docstring); nothing changes where the conditions do not hold. Restored after."""
-    swaps = _swaps(model) if _fusible(model) else []
+    swaps = _swaps(model)
     for module, fused in swaps:
         module.forward = fused.__get__(module)
     try:
