@@ -286,24 +286,49 @@ void gpufleet_sample_prepare(float* logits, long rows, long vocab, const int64_t
 /* After the softmax: per row the first index whose float64 running sum of the probabilities exceeds
    u * total (torch's CPU cumsum adds in order in double; searchsorted right=True, clamped to the last
    index). uniforms[r * ustride] is row r's draw. */
+static long pick_row(const float* row, long vocab, double u) {
+    double total = 0.0;
+    for (long i = 0; i < vocab; i++) total += (double)row[i];
+    const double target = u * total;
+    double sum = 0.0;
+    for (long i = 0; i < vocab; i++) {
+        sum += (double)row[i];
+        if (sum > target) return i;
+    }
+    return vocab - 1;
+}
+
 void gpufleet_sample_pick(const float* probs, long rows, long vocab, const double* uniforms, long ustride,
                           int64_t* out) {
-    for (long r = 0; r < rows; r++) {
-        const float* row = probs + r * vocab;
-        double total = 0.0;
-        for (long i = 0; i < vocab; i++) total += (double)row[i];
-        const double target = uniforms[r * ustride] * total;
-        double sum = 0.0;
-        long pick = vocab - 1;
-        for (long i = 0; i < vocab; i++) {
-            sum += (double)row[i];
-            if (sum > target) {
-                pick = i;
-                break;
+    for (long r = 0; r < rows; r++) out[r] = pick_row(probs + r * vocab, vocab, uniforms[r * ustride]);
+}
+
+/* One step t of the CPU decode loop after its softmax (rl/nativeloop.py), for the n rows the decoder
+   still runs: rows[i] is the batch row of decoder row i. A row done before this step gets the pad token,
+   a live one its pick (uniforms[rows[i] * ustride]); the token goes to out[rows[i] * out_stride + t] and
+   to next[i] (the token fed at step t + 1), whose position positions[i] advances by one from step 1 on.
+   A live row that picks EOS is done from here: done[row] = 1, finish[row] = t. Returns the rows still live. */
+long gpufleet_sample_advance(const float* probs, long n, long vocab, const double* uniforms, long ustride,
+                             const int64_t* rows, long t, int64_t eos, int64_t pad, int64_t* out, long out_stride,
+                             uint8_t* done, int64_t* finish, int64_t* next, int64_t* positions) {
+    long live = 0;
+    for (long i = 0; i < n; i++) {
+        const int64_t r = rows[i];
+        int64_t token = pad;
+        if (!done[r]) {
+            token = pick_row(probs + i * vocab, vocab, uniforms[r * ustride]);
+            if (token == eos) {
+                done[r] = 1;
+                finish[r] = t;
+            } else {
+                live++;
             }
         }
-        out[r] = pick;
+        out[r * out_stride + t] = token;
+        next[i] = token;
+        if (t > 0) positions[i]++;
     }
+    return live;
 }
 
 /* Pack `count` weights stacked on their out dimension (weight i: rows[i] x in, row stride in) into

@@ -204,6 +204,24 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_sample_prepare.restype = None
     lib.gpufleet_sample_pick.argtypes = [p, n, n, p, n, p]
     lib.gpufleet_sample_pick.restype = None
+    lib.gpufleet_sample_advance.argtypes = [
+        p,
+        n,
+        n,
+        p,
+        n,
+        p,
+        n,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        p,
+        n,
+        p,
+        p,
+        p,
+        p,
+    ]
+    lib.gpufleet_sample_advance.restype = n
     f = ctypes.c_float
     lib.gpufleet_rms_forward.argtypes = [p, p, f, n, n, p, p, i]
     lib.gpufleet_rms_backward.argtypes = [p, p, p, p, n, n, p, p, p, i]

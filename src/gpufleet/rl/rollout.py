@@ -21,7 +21,8 @@ stream per *row*:
   They are removed from the logits after the model, so both decode paths below remove them alike.
 * Llama / Qwen2 / Qwen3 / Mistral models (plain modules, float32, no sliding window in the way, ...)
   decode through ``fastdecode.FastDecoder``: the same logits (to a few 1e-7) over the model's current
-  weights, 2-2.6x faster for 8 rows x 32 tokens on CPU. Anything else (DDP/FSDP or other wrappers
+  weights, 2-2.6x faster for 8 rows x 32 tokens on CPU. On a CPU with its C step, plain sampling runs
+  ``nativeloop.decode``: the same rollout with the per-step bookkeeping in C. Anything else (DDP/FSDP or other wrappers
   included) runs the model's own forward; ``GPUFLEET_FAST_DECODE=0`` forces that path.
 
 ``sequence_logprobs`` asks the model for the completion's positions only (``logits_to_keep``) and, for
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpufleet.rl import nativeloop
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.fusedlayers import fused_layers
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
@@ -205,29 +207,61 @@ def _decode(
 ) -> Rollout:
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
-    batch, width = prompt.shape
+    width = prompt.shape[1]
     uniforms = row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
+    never = torch.tensor(list(suppress_tokens), dtype=torch.long, device=device)
+    early = torch.tensor([*suppress_tokens, eos_token_id], dtype=torch.long, device=device)  # t < min_new
+    decoder = _fast_decoder(model, width + max_new_tokens)
+    if nativeloop.applies(decoder, temperature, top_p, top_k, all_done):
+        completion_ids, completion_mask = nativeloop.decode(
+            decoder,
+            prompt,
+            prompt_mask,
+            uniforms,
+            max_new_tokens,
+            eos_token_id,
+            pad_token_id,
+            temperature,
+            (never, early),
+            min_new_tokens,
+            _DROP_FRACTION,
+        )
+    else:
+        forward = _stepper(model, decoder, prompt, prompt_mask, max_new_tokens)
 
+        def sample(logits: torch.Tensor, t: int) -> torch.Tensor:
+            u = uniforms[:, t] if uniforms is not None else None
+            return pick(logits, early if t < min_new_tokens else never, u, temperature, top_p, top_k)
+
+        completion_ids, completion_mask = _loop(
+            forward, sample, prompt, prompt_mask, max_new_tokens, eos_token_id, pad_token_id, all_done
+        )
+    lengths = completion_mask.sum(dim=1)
+    has_eos = (completion_ids == eos_token_id).logical_and(completion_mask.bool()).any(dim=1)
+    return Rollout(
+        prompt_ids=prompt,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        completion_lengths=lengths,
+        is_truncated=~has_eos,
+    )
+
+
+def _loop(forward, sample, prompt, prompt_mask, max_new_tokens, eos_token_id, pad_token_id, all_done):
+    """The decode loop in torch operations: (completion ids, completion mask), each (B, steps).
+    ``forward(t, step_input, positions, done)``: step t's logits; ``sample(logits, t)``: its tokens."""
+    batch, width = prompt_mask.shape
+    device = prompt_mask.device
     mask = torch.zeros((batch, width + max_new_tokens), dtype=torch.long, device=device)
     mask[:, :width] = prompt_mask
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     next_pos = prompt_mask.sum(dim=1, keepdim=True)  # position id of the next token of each row
-
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
-    forward = _stepper(model, prompt, prompt_mask, mask, max_new_tokens)
-    never = torch.tensor(list(suppress_tokens), dtype=torch.long, device=device)
-    early = torch.tensor([*suppress_tokens, eos_token_id], dtype=torch.long, device=device)  # t < min_new
     step_input, steps = prompt, 0
     for t in range(max_new_tokens):
-        token = pick(
-            forward(t, step_input, positions, done),
-            early if t < min_new_tokens else never,
-            uniforms[:, t] if uniforms is not None else None,
-            temperature,
-            top_p,
-            top_k,
-        )
+        token = sample(forward(t, step_input, positions, done), t)
         token = token.masked_fill_(done, pad_token_id)
         out[:, t] = token
         mask[:, width + t] = (~done).long()
@@ -240,31 +274,20 @@ def _decode(
             break
         step_input, positions = token.unsqueeze(1), next_pos
         next_pos = next_pos + 1
-
-    completion_ids = out[:, :steps]
-    completion_mask = mask[:, width : width + steps]
-    lengths = completion_mask.sum(dim=1)
-    has_eos = (completion_ids == eos_token_id).logical_and(completion_mask.bool()).any(dim=1)
-    return Rollout(
-        prompt_ids=prompt,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids.clone(),
-        completion_mask=completion_mask.clone(),
-        completion_lengths=lengths,
-        is_truncated=~has_eos,
-    )
+    return out[:, :steps].clone(), mask[:, width : width + steps].clone()
 
 
-def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch.Tensor, max_new_tokens: int):
-    """`forward(t, step_input, positions, done)`: the last logits of decode step t, through ``FastDecoder``
-    where it is exact, else through the HF forward with a cache (`mask`: the caller's live mask).
+def _stepper(
+    model, decoder: FastDecoder | None, prompt: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int
+):
+    """`forward(t, step_input, positions, done)`: the last logits of decode step t, through ``decoder``
+    (``_fast_decoder``'s) where it is exact, else through the HF forward with a cache.
 
     The fast path stops computing rows that are ``done`` once ``_DROP_FRACTION`` of the rows it still
     runs have finished (their logits are then 0: the caller discards them)."""
     from transformers import DynamicCache
 
-    width = prompt.shape[1]
-    decoder = _fast_decoder(model, width + max_new_tokens)
+    batch, width = prompt.shape
     if decoder is not None:  # the same rule as below: tokens after EOS go unmasked, their logits unused
         rows = torch.arange(prompt.shape[0], device=prompt.device)  # the rows the decoder still runs
 
@@ -294,12 +317,14 @@ def _stepper(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, mask: torch
     # Without left padding the HF mask can be None: the mask would then only hide the tokens after a
     # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
     # each other), so every kept logit is the same; HF skips building and checking the mask.
+    # The completion's columns are all 1: a finished row's later tokens go unmasked, their logits unused.
     unpadded = bool(prompt_mask.all())
+    mask = None if unpadded else torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
 
     def hf(t: int, step_input: torch.Tensor, positions: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         return model(
             input_ids=step_input,
-            attention_mask=None if unpadded else mask[:, : width + t],
+            attention_mask=None if mask is None else mask[:, : width + t],
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
