@@ -151,7 +151,7 @@ static inline float dot(const float* q, const float* k, int d) {
 static void attend(const gf_step* s, const float* q, const float* keys, const float* values,
                    const float* mask, int length, float* out) {
   int d = s->head_dim;
-  float scores[length + 8];
+  float scores[length];
   float top = -INFINITY;
   for (int j = 0; j < length; j++) {
     scores[j] = dot(q, keys + (long)j * d, d) * s->scaling + (mask ? mask[j] : 0.0f);

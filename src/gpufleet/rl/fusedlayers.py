@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 ENV = FUSED_LAYERS
-"""Set to 0 to run the models' own RMSNorm and MLP code in the training forward on CPU."""
+"""Set to 0 to run the models' own RMSNorm, attention and MLP code in the training forward on CPU."""
 
 NORM_CLASSES = frozenset(
     {
@@ -291,12 +291,12 @@ def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     first = next(model.parameters(), None)
     if first is None or switched_off(ENV) or not _fits(first):
         return []
-    recomputed = model.training and torch.is_grad_enabled()
+    grad = torch.is_grad_enabled()
     swaps = []
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             return []
-        if recomputed and getattr(module, "gradient_checkpointing", False) is True:
+        if grad and module.training and getattr(module, "gradient_checkpointing", False) is True:
             return []  # the layers are recomputed in backward, after the block: as they ran first
         name = type(module).__name__.removeprefix("FSDP")  # fully_shard makes the class FSDP<name>
         if "forward" in module.__dict__:  # someone else's instance forward (a hook library's): left alone
@@ -314,7 +314,7 @@ def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
 
 @contextlib.contextmanager
 def fused_layers(model: torch.nn.Module) -> Iterator[None]:
-    """For the length of the block, the supported norms and MLPs of ``model`` run fused (see the module
+    """For the length of the block, the supported norms, attention modules and MLPs of ``model`` run fused (see the module
     docstring); nothing changes where the conditions do not hold. Restored after."""
     swaps = _swaps(model)
     for module, fused in swaps:

@@ -17,6 +17,7 @@ import torch
 
 from gpufleet.rl import cpu_kernels
 from gpufleet.rl.fastdecode import FastDecoder
+from gpufleet.rl.sampling import native_probs, plain
 
 __all__ = ["applies", "decode"]
 
@@ -26,9 +27,7 @@ def applies(decoder: FastDecoder | None, temperature: float, top_p: float, top_k
     return (
         decoder is not None
         and decoder.native is not None
-        and temperature > 0
-        and top_k == 0
-        and top_p >= 1.0
+        and plain(temperature, top_p, top_k)
         and all_done is None
     )
 
@@ -68,11 +67,8 @@ def decode(
                 decoder.keep(keep)
                 rows, token, position = rows[keep], token[keep], position[keep]
             logits = decoder.step(token, position)
-        never = suppress[1] if t < min_new_tokens else suppress[0]
-        logits = logits.contiguous()
-        n, vocab = logits.shape
-        lib.gpufleet_sample_prepare(logits.data_ptr(), n, vocab, never.data_ptr(), len(never), temperature)
-        probs = torch.softmax(logits, dim=-1)
+        probs = native_probs(logits, suppress[1] if t < min_new_tokens else suppress[0], temperature)
+        n, vocab = probs.shape
         column = uniforms[:, t]
         live = lib.gpufleet_sample_advance(
             probs.data_ptr(),

@@ -227,14 +227,16 @@ def _decode(
             _DROP_FRACTION,
         )
     else:
-        forward = _stepper(model, decoder, prompt, prompt_mask, max_new_tokens)
+        mask = torch.zeros((len(prompt), width + max_new_tokens), dtype=torch.long, device=device)
+        mask[:, :width] = prompt_mask  # the loop fills in the completion's columns
+        forward = _stepper(model, decoder, prompt, prompt_mask, mask, max_new_tokens)
 
         def sample(logits: torch.Tensor, t: int) -> torch.Tensor:
             u = uniforms[:, t] if uniforms is not None else None
             return pick(logits, early if t < min_new_tokens else never, u, temperature, top_p, top_k)
 
         completion_ids, completion_mask = _loop(
-            forward, sample, prompt, prompt_mask, max_new_tokens, eos_token_id, pad_token_id, all_done
+            forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done
         )
     lengths = completion_mask.sum(dim=1)
     has_eos = (completion_ids == eos_token_id).logical_and(completion_mask.bool()).any(dim=1)
@@ -248,13 +250,13 @@ def _decode(
     )
 
 
-def _loop(forward, sample, prompt, prompt_mask, max_new_tokens, eos_token_id, pad_token_id, all_done):
+def _loop(forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done):
     """The decode loop in torch operations: (completion ids, completion mask), each (B, steps).
-    ``forward(t, step_input, positions, done)``: step t's logits; ``sample(logits, t)``: its tokens."""
+    ``forward(t, step_input, positions, done)``: step t's logits; ``sample(logits, t)``: its tokens;
+    ``mask`` (B, prompt + max new tokens): the prompt's mask, then each step's live rows (filled here)."""
     batch, width = prompt_mask.shape
+    max_new_tokens = mask.shape[1] - width
     device = prompt_mask.device
-    mask = torch.zeros((batch, width + max_new_tokens), dtype=torch.long, device=device)
-    mask[:, :width] = prompt_mask
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     next_pos = prompt_mask.sum(dim=1, keepdim=True)  # position id of the next token of each row
@@ -278,16 +280,22 @@ def _loop(forward, sample, prompt, prompt_mask, max_new_tokens, eos_token_id, pa
 
 
 def _stepper(
-    model, decoder: FastDecoder | None, prompt: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int
+    model,
+    decoder: FastDecoder | None,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    mask: torch.Tensor,
+    max_new_tokens: int,
 ):
     """`forward(t, step_input, positions, done)`: the last logits of decode step t, through ``decoder``
-    (``_fast_decoder``'s) where it is exact, else through the HF forward with a cache.
+    (``_fast_decoder``'s) where it is exact, else through the HF forward with a cache (`mask`: the
+    caller's live mask).
 
     The fast path stops computing rows that are ``done`` once ``_DROP_FRACTION`` of the rows it still
     runs have finished (their logits are then 0: the caller discards them)."""
     from transformers import DynamicCache
 
-    batch, width = prompt.shape
+    width = prompt.shape[1]
     if decoder is not None:  # the same rule as below: tokens after EOS go unmasked, their logits unused
         rows = torch.arange(prompt.shape[0], device=prompt.device)  # the rows the decoder still runs
 
@@ -317,14 +325,12 @@ def _stepper(
     # Without left padding the HF mask can be None: the mask would then only hide the tokens after a
     # row's EOS from that row's own later steps, whose logits are discarded (rows never attend to
     # each other), so every kept logit is the same; HF skips building and checking the mask.
-    # The completion's columns are all 1: a finished row's later tokens go unmasked, their logits unused.
     unpadded = bool(prompt_mask.all())
-    mask = None if unpadded else torch.cat([prompt_mask, prompt_mask.new_ones(batch, max_new_tokens)], dim=1)
 
     def hf(t: int, step_input: torch.Tensor, positions: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         return model(
             input_ids=step_input,
-            attention_mask=None if mask is None else mask[:, : width + t],
+            attention_mask=None if unpadded else mask[:, : width + t],
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,

@@ -87,6 +87,23 @@ def row_uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Te
     return out.to(device=device, dtype=torch.float64)
 
 
+def plain(temperature: float, top_p: float, top_k: int) -> bool:
+    """Sampling with a temperature and neither top-k nor top-p: what the C sampler takes."""
+    return temperature > 0 and top_k == 0 and top_p >= 1.0
+
+
+def native_probs(logits: torch.Tensor, suppress: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The probabilities (B, V) of float32 CPU ``logits`` (overwritten in place when contiguous) with the
+    ``suppress`` columns at 0 and the temperature applied in C (``gpufleet_sample_prepare``), then
+    ``torch.softmax``: the bits ``next_tokens`` samples from."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    cpu_kernels.library().gpufleet_sample_prepare(
+        logits.data_ptr(), rows, vocab, suppress.data_ptr(), len(suppress), temperature
+    )
+    return torch.softmax(logits, dim=-1)
+
+
 def pick(
     logits: torch.Tensor,
     suppress: torch.Tensor,
@@ -103,24 +120,17 @@ def pick(
     after it) and give the same tokens bit for bit (tested), in about a third of the time of those
     torch ops for the decode of a small model."""
     native = (
-        temperature > 0
-        and top_k == 0
-        and top_p >= 1.0
+        plain(temperature, top_p, top_k)
         and logits.device.type == "cpu"
         and logits.dtype == torch.float32
         and cpu_kernels.available()
     )
     if not native:
         return next_tokens(suppress_logits(logits, suppress), uniforms, temperature, top_p, top_k)
-    logits = logits.contiguous()
-    rows, vocab = logits.shape
-    lib = cpu_kernels.library()
-    lib.gpufleet_sample_prepare(
-        logits.data_ptr(), rows, vocab, suppress.data_ptr(), len(suppress), temperature
-    )
-    probs = torch.softmax(logits, dim=-1)
+    probs = native_probs(logits, suppress, temperature)
+    rows, vocab = probs.shape
     out = torch.empty(rows, dtype=torch.long)
-    lib.gpufleet_sample_pick(
+    cpu_kernels.library().gpufleet_sample_pick(
         probs.data_ptr(), rows, vocab, uniforms.data_ptr(), uniforms.stride(0), out.data_ptr()
     )
     return out

@@ -5,8 +5,8 @@
 #include <immintrin.h>
 #include <math.h>
 
-/* exp for the SwiGLU: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
-   within 2 ulp over [-88.4, 88.4]; inputs are clamped there (silu needs no more). */
+/* exp for the SwiGLU and the decode step's softmax: Cephes' expf (range reduction by ln 2 in two parts,
+   degree-5 polynomial), within 2 ulp over [-88.4, 88.4]; inputs are clamped there (neither needs more). */
 static inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
   __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 __all__ = ["FUSED_LAYERS", "switched_off"]
 
 FUSED_LAYERS = "GPUFLEET_FUSED_LAYERS"
-"""Set to 0 to run the models' own RMSNorm and MLP code in the training forward on CPU (rl/fusedlayers.py;
+"""Set to 0 to run the models' own RMSNorm, attention and MLP code in the training forward on CPU (rl/fusedlayers.py;
 named here for the planner, which imports no torch)."""
 
 _OFF = ("0", "false", "no", "off")
