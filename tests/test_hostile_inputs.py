@@ -184,6 +184,7 @@ MODEL_FAULTS = [
     ("dev-zero", None, "/dev/zero", ["model.path"]),
     ("fifo", lambda h: os.mkfifo(h / "m"), "./m", ["model.path"]),
     ("huge-config", _sparse_config, "./m", ["config.json is 10240 MiB (at most 64 MiB)"]),
+    ("no-such-user", None, "~nosuchuser0", ["'~nosuchuser0' is neither a local folder"]),  # pathlib raised
 ]
 
 

@@ -33,6 +33,7 @@ import torch
 
 from gpufleet.errors import UserError
 from gpufleet.fsfaults import device_of, disk_full
+from gpufleet.paths import user_path
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -296,7 +297,7 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
         return None
     if resume == "auto":
         return latest(run_dir)
-    p = Path(resume).expanduser()
+    p = user_path(resume)
     if p.is_dir() and not (p / "trainer_state.json").is_file():
         inner = latest(p)  # a run directory was given
         if inner is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpufleet.paths import user_path
+
 # Fields whose change breaks continuity of a run (the rest are reported and allowed).
 BREAKING = (
     "model.path",
@@ -76,7 +78,7 @@ def _same_place(field: str, before, after, roots: Sequence[str]) -> bool:
 def _place(value: str) -> str:
     """A local path, resolved from the working directory (where a flag's relative path starts); a
     builtin: name or a hub id as it is."""
-    path = Path(value).expanduser()
+    path = user_path(value)
     return str(path.resolve()) if not value.startswith("builtin:") and path.exists() else value
 
 

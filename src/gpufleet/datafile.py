@@ -22,6 +22,7 @@ from typing import Any
 
 from gpufleet import datapath
 from gpufleet.datapath import DataFileError
+from gpufleet.paths import user_path
 
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 MAX_LINE_BYTES = 1 << 20
@@ -65,7 +66,7 @@ def check_limit(path: Path) -> int | None:
 
 def scan(path: str | Path, prompt_field: str, *, max_rows: int | None = None, keep: bool = False) -> Scan:
     """Parse `path` (at most `max_rows` rows), checking every row's prompt; `keep`: hold the rows."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     name = str(path)
     if p.is_dir():
         return _scan_folder(p, name, prompt_field, max_rows, keep)

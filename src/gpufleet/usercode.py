@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.paths import user_path
 from gpufleet.watchdog import HEARTBEAT_EVERY, Overdue, deadline, where_stuck
 
 FIELD = "reward.functions"
@@ -57,7 +58,7 @@ def anchored(ref: str, base: Path) -> str:
     where, name = split(ref)
     if not is_file(where):
         return ref
-    return f"{(base / Path(where).expanduser()).resolve()}:{name}"
+    return f"{(base / user_path(where)).resolve()}:{name}"
 
 
 def roots(job_path: Path | None) -> list[str]:

@@ -26,6 +26,7 @@ from gpufleet.config.layers import env_layer, file_layer, flag_layer, slurm_laye
 from gpufleet.config.presets import PRESETS
 from gpufleet.config.problems import DEFAULT, FieldRef, Problem, Source, format_value
 from gpufleet.config.schema import SECTIONS, Job
+from gpufleet.paths import user_path
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _anchor_paths(resolved: Resolved, base: Path, kinds: tuple[str, ...] = ("fil
     from gpufleet.usercode import anchored
 
     def local(value: str) -> str:
-        if value.startswith("builtin:") or Path(value).expanduser().is_absolute():
+        if value.startswith("builtin:") or user_path(value).is_absolute():
             return value
         candidate = (base / value).resolve()
         explicit = value.startswith(("./", "../", "~")) or value.endswith(_DATA_SUFFIXES)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.paths import user_path
 
 
 def open_pool(job, rt, run_dir: Path):
@@ -58,7 +59,7 @@ def read_token(path: str | None) -> str:
             fix="give the file holding the servers' token (--set env.token_file=PATH)",
         )
     try:
-        token = Path(path).expanduser().read_text(encoding="utf-8").splitlines()[0].strip()
+        token = user_path(path).read_text(encoding="utf-8").splitlines()[0].strip()
     except (OSError, IndexError, UnicodeDecodeError) as e:
         raise UserError(
             f"cannot read a token from env.token_file {path}: {e}.",

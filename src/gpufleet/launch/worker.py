@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpufleet.errors import UserError
 from gpufleet.fsfaults import fault_error
+from gpufleet.paths import user_path
 
 
 class _Tee:
@@ -70,7 +71,7 @@ def run_worker(job_file: str, gpus: str) -> int:
     r = load_job(job_file, env={}, anchor=False)  # the launcher's resolved job: no layers, no anchoring again
     job = r.job
     rank, _, local_rank, _ = dist.env_rank()
-    out = Path(job.output.dir).expanduser()
+    out = user_path(job.output.dir)
     logs = out / "logs"
     (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
     with rank_log(logs, rank, console=rank == 0):

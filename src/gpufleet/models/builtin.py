@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpufleet.paths import user_path
+
 PREFIX = "builtin:"
 
 PAD_TOKEN = "<pad>"
@@ -135,7 +137,7 @@ def builtin_config(name: str) -> dict[str, Any]:
 def default_root() -> Path:
     """Where built-in models are materialized: ``$GPUFLEET_CACHE`` or ``~/.cache/gpufleet``."""
     env = os.environ.get("GPUFLEET_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpufleet"
+    return user_path(env) if env else Path.home() / ".cache" / "gpufleet"
 
 
 def model_dir(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
@@ -143,7 +145,7 @@ def model_dir(name: str, root: str | Path | None = None, seed: int = 0) -> Path:
     name = builtin_name(name)
     builtin_config(name)  # validate the name
     folder = name if seed == 0 else f"{name}-seed{seed}"
-    return Path(root if root is not None else default_root()).expanduser() / "models" / folder
+    return user_path(root if root is not None else default_root()) / "models" / folder
 
 
 def is_materialized(name: str, root: str | Path | None = None, seed: int = 0) -> bool:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpufleet.paths import user_path
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -50,7 +52,7 @@ def hub_cache_dirs(env: Mapping[str, str]) -> list[Path]:
 def find_config_json(path: str, env: Mapping[str, str] | None = None) -> Path | None:
     """config.json of a local folder, or of a hub id already in the local cache."""
     env = os.environ if env is None else env
-    local = Path(path).expanduser()
+    local = user_path(path)
     if local.is_dir():
         cfg = local / "config.json"
         return cfg if cfg.is_file() else None
@@ -69,7 +71,7 @@ def hub_download_problem(path: str, env: Mapping[str, str] | None = None, timeou
     cached id, or the hub reachable). Offline mode (HF_HUB_OFFLINE) or no TCP connection to the hub's
     host within `timeout` seconds: said at once, instead of after huggingface_hub's retries (~50 s)."""
     env = os.environ if env is None else env
-    if not looks_like_hub_id(path) or Path(path).expanduser().is_dir() or find_config_json(path, env):
+    if not looks_like_hub_id(path) or user_path(path).is_dir() or find_config_json(path, env):
         return None
     if env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return f"{path} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be downloaded"

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpufleet.monitor.runfiles import Run, device_series, load_run
+from gpufleet.paths import user_path
 
 GIB = 1024**3
 STYLE = """
@@ -37,7 +38,7 @@ def write_report(run_dirs: Sequence[str], out: str | None = None) -> Path:
     from gpufleet.monitor import figures
 
     runs = [load_run(d) for d in run_dirs]
-    folder = Path(out).expanduser() if out else runs[0].path / "report"
+    folder = user_path(out) if out else runs[0].path / "report"
     folder.mkdir(parents=True, exist_ok=True)
     images: list[tuple[str, str, Path]] = []
     for name, title, draw in (

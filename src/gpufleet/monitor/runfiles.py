@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.paths import user_path
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -136,7 +137,7 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     """The run in `path`; a folder that holds no run is a UserError naming what is missing."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     if not p.is_dir():
         raise UserError(f"{path} is not a folder.", fix="pass a run directory (the job's output.dir)")
     if not (p / "metrics.jsonl").exists() and not device_files(p):

@@ -4,10 +4,9 @@ token. Nothing here starts a server; builtin: and gymnasium: environments are ma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gpufleet import usercode
 from gpufleet.errors import UserError
+from gpufleet.paths import user_path
 from gpufleet.rules.registry import Context, err, rule, warn
 
 
@@ -104,7 +103,7 @@ def env_address(ctx: Context):
             "servers at env.address need the token they were started with; env.token_file is not set.",
             "--set env.token_file=PATH (a file whose first line is the token)",
         )
-    elif not Path(cfg.token_file).expanduser().is_file():
+    elif not user_path(cfg.token_file).is_file():
         yield err(
             [ctx.ref("env.token_file")],
             f"env.token_file {cfg.token_file} does not exist.",

@@ -13,6 +13,7 @@ from gpufleet import datafile, datapath, usercode
 from gpufleet.errors import UserError
 from gpufleet.models import info as modelinfo
 from gpufleet.models.info import looks_like_hub_id
+from gpufleet.paths import user_path
 from gpufleet.rules.registry import Context, err, rule, warn
 from gpufleet.text import plural
 
@@ -33,7 +34,7 @@ def model_path_exists(ctx: Context):
                 known = ", ".join(f"builtin:{n}" for n in builtin_models.BUILTIN_MODELS)
                 yield err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
             continue
-        local = Path(path).expanduser()
+        local = user_path(path)
         if local.exists():
             problems = modelinfo.folder_problems(local)
             for why, fix in problems:
@@ -179,7 +180,7 @@ def data_available(ctx: Context):
                 "use one of " + ", ".join(f"builtin:{n}" for n in tasks.TASKS),
             )
         return
-    p = Path(data.path).expanduser()
+    p = user_path(data.path)
     if not p.exists() and not p.is_symlink():  # a dangling link or a loop: `scan` says which
         if looks_like_hub_id(data.path) and datapath.suffixes(p)[0] not in DATA_EXTENSIONS:
             yield warn(
@@ -240,7 +241,7 @@ def holds_run(d: Path) -> bool:
 @rule
 def output_dir(ctx: Context):
     o = ctx.job.output
-    d = Path(o.dir).expanduser()
+    d = user_path(o.dir)
     if d.exists() and not d.is_dir():
         yield err(
             [ctx.ref("output.dir")], f"{o.dir} exists and is a file.", "--set output.dir=<a new folder>"
@@ -252,7 +253,7 @@ def output_dir(ctx: Context):
             f"{o.dir} already holds a run and resume is never, so it would be overwritten.",
             f"continue it with --set output.resume=auto, or start fresh with --set output.dir={o.dir.rstrip('/')}-2",
         )
-    elif o.resume not in ("auto", "never") and not Path(o.resume).expanduser().exists():
+    elif o.resume not in ("auto", "never") and not user_path(o.resume).exists():
         yield err(
             [ctx.ref("output.resume")],
             f"checkpoint {o.resume} does not exist.",

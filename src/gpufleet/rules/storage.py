@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from gpufleet.config.problems import FieldRef, Source
+from gpufleet.paths import user_path
 from gpufleet.rules.registry import Context, err, rule, warn
 
 CACHE_ENV = "GPUFLEET_CACHE"
@@ -18,7 +19,7 @@ CACHE_ENV = "GPUFLEET_CACHE"
 
 def nearest_existing(path: Path) -> Path:
     """`path` itself when it exists, else its nearest existing parent (what creating it would write in)."""
-    p = Path(os.path.abspath(path.expanduser()))
+    p = Path(os.path.abspath(user_path(path)))
     while not p.exists() and not p.is_symlink() and p != p.parent:
         p = p.parent
     return p
@@ -57,7 +58,7 @@ def _user() -> str:
 
 @rule
 def output_writable(ctx: Context):
-    d = Path(ctx.job.output.dir).expanduser()
+    d = user_path(ctx.job.output.dir)
     if d.exists() and not d.is_dir():  # resources.output_dir says so
         return
     why = not_writable(d)
@@ -78,7 +79,7 @@ def cache_writable(ctx: Context):
     names = [builtin.builtin_name(p) for p in paths if builtin.is_builtin(p)]
     names = [n for n in names if n in builtin.BUILTIN_MODELS]
     raw = ctx.env.get(CACHE_ENV)
-    root = Path(raw).expanduser() if raw else Path.home() / ".cache" / "gpufleet"
+    root = user_path(raw) if raw else Path.home() / ".cache" / "gpufleet"
     if not names or all(builtin.is_materialized(n, root) for n in names):
         return
     why = not_writable(root / "models")

@@ -10,12 +10,13 @@ from pathlib import Path
 from gpufleet.checkpoint import export, require_empty
 from gpufleet.errors import UserError
 from gpufleet.models import lora
+from gpufleet.paths import user_path
 
 
 def export_command(run_dir: str, step: int | None, to: str, merge: bool = False) -> int:
-    dest = Path(to).expanduser()
+    dest = user_path(to)
     if not merge:
-        src = export(Path(run_dir).expanduser(), dest, step)
+        src = export(user_path(run_dir), dest, step)
         print(f"exported {src} -> {to}")
         if lora.is_adapter(dest):
             print(f"  a LoRA adapter: PeftModel.from_pretrained(base, {to!r}); --merge writes one model")
@@ -25,7 +26,7 @@ def export_command(run_dir: str, step: int | None, to: str, merge: bool = False)
     require_empty(dest)
     with tempfile.TemporaryDirectory(prefix="gpufleet-export-") as tmp:
         adapter = Path(tmp) / "adapter"
-        src = export(Path(run_dir).expanduser(), adapter, step)
+        src = export(user_path(run_dir), adapter, step)
         if not lora.is_adapter(adapter):
             raise UserError(
                 f"{src} holds a whole model, not a LoRA adapter: there is nothing to merge.",

@@ -20,6 +20,7 @@ from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import Hardware, hardware_here, resolve_hardware
 from gpufleet.launch import recipe
 from gpufleet.launch.checks import findings
+from gpufleet.paths import user_path
 from gpufleet.preflight import p2p_env
 from gpufleet.text import plural
 
@@ -52,7 +53,7 @@ def launch_command(
         )
     per_node = _nproc(jb, hw)
     now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
-    out = Path(jb.output.dir).expanduser()
+    out = user_path(jb.output.dir)
     values = recipe.values(now, per_node, str(out))
     argv = recipe.fill(cmd, values)
     problems = findings(argv, per_node, hw, r, dry_run)

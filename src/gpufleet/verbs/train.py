@@ -16,6 +16,7 @@ from gpufleet.config.problems import render_problems, summary
 from gpufleet.errors import EXIT_USER_ERROR
 from gpufleet.fsfaults import write_text_atomic
 from gpufleet.hardware import hardware_here, resolve_hardware
+from gpufleet.paths import user_path
 from gpufleet.preflight import p2p_env
 from gpufleet.rules import run_checks
 from gpufleet.rules.resources import holds_run
@@ -50,7 +51,7 @@ def train_command(
         print(p.render())
     topo, jb = ctx.topo, r.job
     use_roots(roots(r.job_path))  # the job's own modules (rewards) import from its folder, then cwd
-    out = Path(jb.output.dir).expanduser()
+    out = user_path(jb.output.dir)
     job_file = out / "job.yaml"
     p2p, note = p2p_env(hw, topo.devices if topo.world_size > 1 else (), env)
     if note:
@@ -201,7 +202,7 @@ def _print_launch(job: str, r, topo, hw, env: Mapping[str, str], p2p: Mapping[st
     if topo.world_size == 1:
         print(f"# one process: gpufleet train {job} runs in-process (no torchrun)")
         return 0
-    printed = Path(r.job.output.dir).expanduser() / PRINTED_JOB
+    printed = user_path(r.job.output.dir) / PRINTED_JOB
     write_text_atomic(printed, render_yaml(r) + "\n")
     folders = pythonpath(roots(r.job_path), env)
     here = os.getcwd()
