@@ -85,11 +85,17 @@ def _model():
     return AutoModelForCausalLM.from_config(CONFIGS["qwen3"]()).eval()
 
 
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("split", [True, False, "packed"])
 def test_logprobs_equal_the_whole_padded_batch(split, monkeypatch):
     b = _batch([2, 9, 4, 9, 1, 3])
     model = _model()
     monkeypatch.setattr(batch_module, "PASS_FLOPS", 0 if split else 1e18)
+    if split == "packed":  # the rows packed into one forward: no padding to save, never cut
+        assert batch_module.length_cut(model, (None, 0)) is None
+        split = False
+    else:
+        monkeypatch.setenv("GPUFLEET_PACKED", "0")
+        assert batch_module.length_cut(model, (None, 0)) == batch_module.pass_tokens(model)
     calls = []
     original = batch_module.sequence_logprobs
     monkeypatch.setattr(
@@ -112,6 +118,7 @@ def test_gradients_with_length_cut_micro_batches_equal_one_padded_pass(tmp_path,
     scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
     lengths = scored.batch.completion_lengths()
     assert len(set(lengths)) > 2, lengths  # completions of different lengths (this seed)
+    assert batch_module.length_cut(parts.policy, (None, 0)) is not None  # float64: not packed
     monkeypatch.setattr(batch_module, "PASS_FLOPS", 1e18)  # one pass of all 8 rows, padded
     whole = grads_for(job, scored, parts, 8)
     monkeypatch.setattr(batch_module, "PASS_FLOPS", 0)  # cut wherever padding is saved (1 token a pass)

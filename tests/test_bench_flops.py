@@ -86,3 +86,15 @@ def test_phase_table_on_a_gpu_uses_wall_time():
     cpu = gpu | {"device": "cpu", "dtype": "float32", "square": 1024}
     step = next(x for x in phase_table(CFG, 2, 2, 0.04, [run], [run], 1, cpu) if "gpufleet, whole" in x)
     assert "(CPU time)" in step and "| 250 |" in step
+
+
+def test_the_step_against_each_runs_own_peak():
+    from phases import run_peak_lines
+
+    # 1 GFLOP per step; gpufleet's runs: median steps 0.5 s and 0.25 s at peaks 4 and 8 GFLOP/s -> 50%, 50%;
+    # TRL's: 1 s at 5 GFLOP/s -> 20%. The warm-up step (first) is left out.
+    gf = [{"cpu_step_time": [9.0, 0.5], "peak": 4e9}, {"cpu_step_time": [9.0, 0.25], "peak": 8e9}]
+    trl = [{"cpu_step_time": [9.0, 1.0], "peak": 5e9}]
+    (line, _) = run_peak_lines(1e9, gf, trl, 1, "cpu_step_time")
+    assert "(4.0-8.0 GFLOP/s, median 5.0): gpufleet **50%**, TRL 20%" in line
+    assert run_peak_lines(1e9, [{"cpu_step_time": [1.0]}], trl, 0, "cpu_step_time") == []  # no peak: older files

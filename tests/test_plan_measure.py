@@ -27,6 +27,7 @@ from gpufleet.config.schema import TrainSection
 from gpufleet.plan.inference import kv_cache_bytes
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes
 from gpufleet.plan.shape import arch_from_config, count_parameters
+from gpufleet.rl import packing
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.rollout import generate, sequence_logprobs
 
@@ -59,13 +60,15 @@ def build(raw: dict, dtype=torch.float32) -> torch.nn.Module:
     return model.train()
 
 
-def batch(vocab: int, prompt: int, completion: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded like the trainer's batches: a left-padded prompt and a right-padded completion."""
+def batch(vocab: int, prompt: int, completion: int, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded like the trainer's batches: a left-padded prompt and a right-padded completion (`padded`;
+    else every row at full length, the batch the planner plans for)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(2, vocab, (BATCH, prompt + completion), generator=g)
     mask = torch.ones_like(ids)
-    mask[0, : prompt // 2] = 0
-    mask[-1, -(completion // 2) :] = 0
+    if padded:
+        mask[0, : prompt // 2] = 0
+        mask[-1, -(completion // 2) :] = 0
     return ids, mask
 
 
@@ -130,12 +133,28 @@ CASES = (
 
 
 @pytest.mark.parametrize(("name", "prompt", "completion", "checkpointing", "autocast"), CASES)
-def test_activations_within_15_percent(name, prompt, completion, checkpointing, autocast):
+def test_activations_within_15_percent(name, prompt, completion, checkpointing, autocast, monkeypatch):
+    monkeypatch.setenv("GPUFLEET_PACKED", "0")  # the padded forward (the packed one: the next test)
+    _activations_within_15_percent(name, prompt, completion, checkpointing, autocast, padded=True)
+
+
+@pytest.mark.parametrize(("prompt", "completion"), LENGTHS)
+@pytest.mark.parametrize("name", list(SHAPES)[:3])
+def test_packed_activations_within_15_percent(name, prompt, completion, monkeypatch):
+    """Packed (rl/packing.py: the CPU forward of these fp32 models) at full length, the planner's case."""
+    seen = []
+    original = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda *a: seen.append(1) or original(*a))
+    _activations_within_15_percent(name, prompt, completion, False, False, padded=False)
+    assert seen
+
+
+def _activations_within_15_percent(name, prompt, completion, checkpointing, autocast, padded):
     raw = SHAPES[name]
     model = build(raw)
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})  # as rl/trainer.py does
-    ids, mask = batch(raw["vocab_size"], prompt, completion)
+    ids, mask = batch(raw["vocab_size"], prompt, completion, padded)
     measured = measure_activations(model, ids, mask, prompt, autocast)
     arch = arch_from_config(model.config.to_dict())
     precision = Precision("float32", "bfloat16" if autocast else "float32")

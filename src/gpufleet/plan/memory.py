@@ -310,9 +310,10 @@ def train_activations(
     checkpointing: bool,
     fused_cpu: bool = False,
 ) -> Activations:
-    """Activations of one training micro-batch of `batch` sequences (see the module docstring). `cpu`:
-    on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its norms and SwiGLU
-    fused (rl/fusedlayers.py), which keep less."""
+    """Activations of one training micro-batch of `batch` sequences (see the module docstring).
+    `fused_cpu`: on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its
+    norms, SwiGLU and attention fused (rl/fusedlayers.py), which keep less. Counted at full length: its
+    rows packed (rl/packing.py) keep only their tokens', no more than this."""
     if batch < 1 or prompt_tokens < 1 or completion_tokens < 1:
         raise ValueError(
             f"batch, prompt_tokens and completion_tokens must be >= 1, got {batch}, {prompt_tokens}, {completion_tokens}"

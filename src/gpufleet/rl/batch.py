@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from gpufleet.parallel import decoder_layers
+from gpufleet.rl import packing
 from gpufleet.rl.rollout import Rollout, sequence_logprobs
 
 
@@ -98,6 +99,13 @@ def pass_tokens(model: torch.nn.Module) -> int | None:
     return max(1, round(PASS_FLOPS * layers / (6 * sum(p.numel() for p in inner.parameters()))))
 
 
+def length_cut(model: torch.nn.Module, early: tuple[int | None, int]) -> int | None:
+    """The ``pass_cost`` of ``GenerationBatch.micro_batches`` for ``model``: ``pass_tokens``, or None where
+    its forward packs the rows (rl/packing.py: no padding to save by cutting). ``early``: (EOS id,
+    min_new_tokens). Call it under the forward's autocast."""
+    return None if packing.applies(model, *early) else pass_tokens(model)
+
+
 def length_groups(lengths: list[int], size: int, fixed: int, pass_tokens: int | None) -> list[list[int]]:
     """Row indices of the micro-batches: rows by `lengths` longest first (stable), `size` at a time. With
     `pass_tokens`, a group is cut in two where that lowers its cost, rows x (`fixed` + its longest) summed
@@ -158,11 +166,13 @@ def logprobs_of(
     """No-grad log-probs of the batch's completions under `model` (old or reference log-probs), `micro`
     rows at a time, with `suppress_tokens` at probability 0 as in sampling, and `early` = (EOS id,
     min_new_tokens): EOS at probability 0 before min_new_tokens, as in sampling. The micro-batches are
-    `GenerationBatch.micro_batches` (cut further on a CPU); past the longest row of its micro-batch a row's
+    `GenerationBatch.micro_batches` (cut further on a CPU unless packed); past the longest row of its micro-batch a row's
     log-probs are 0 (the mask leaves them out, as every position past a row's end)."""
     ids = batch.input_ids
     out = torch.zeros(ids.shape[0], ids.shape[1] - batch.completion_start, device=ids.device)
-    for index, mb in batch.micro_batches(micro, pass_tokens(model)):
+    with autocast():
+        cut = length_cut(model, early)
+    for index, mb in batch.micro_batches(micro, cut):
         with autocast():
             lp, _ = sequence_logprobs(
                 model,

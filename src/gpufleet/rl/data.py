@@ -8,12 +8,12 @@ and a resumed run continues the same order.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 from gpufleet import datafile
 from gpufleet.config.schema import DataSection
 from gpufleet.errors import UserError
+from gpufleet.paths import user_path
 
 
 class PromptSource:
@@ -93,7 +93,7 @@ class PromptSource:
 def _load_rows(path: str, prompt_field: str):
     """A local file through `datafile.scan` (every row checked, as `gpufleet check` does), else a hub
     dataset through `datasets` (its rows are checked one by one as they are used, in `_row`)."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     if p.exists() or p.is_symlink():
         return datafile.scan(p, prompt_field, keep=True)
     import datasets

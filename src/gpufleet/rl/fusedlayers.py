@@ -12,7 +12,9 @@ RoPE (``apply_rotary_pos_emb``: a ``cat``, a negation, two products and a sum fo
 with its backward) is one pass (``gpufleet_rope_*``) that also writes q and k in the layout SDPA takes,
 and SDPA gets the key/value heads with ``enable_gqa`` instead of ``repeat_kv``'s copies for every query
 head (Hugging Face passes ``enable_gqa`` only without a mask, for CUDA's sake); the ``small`` model's
-forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs).
+forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs). A packed row
+(rl/packing.py) attends within each of its sequences (``packed_attention``; ``packed_mask`` where it
+cannot).
 
 ``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``,
 ``ATTENTION_CLASSES``, and the ``MLP_CLASSES`` whose activation is SiLU) for the length of a block, as
@@ -49,6 +51,9 @@ __all__ = [
     "NORM_CLASSES",
     "attention",
     "fused_layers",
+    "packed_attention",
+    "packed_mask",
+    "packs",
     "rms_norm",
     "swiglu",
 ]
@@ -260,17 +265,33 @@ def attention(
         or cos.shape[0] not in (1, hidden_states.shape[0])
         or module.head_dim % 2
     )
+    batch, tokens = hidden_states.shape[:2]
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:  # a packed row (rl/packing.py): the mask the model was given hides every key
+        longest = int(kwargs["max_length_q"])
+        within = not own and _window(module) >= longest  # packed_attention, no mask
+        attention_mask = None if within else packed_mask(cu, tokens, _window(module))
+        if own and module.config._attn_implementation == "eager":  # an additive mask, as HF's eager_mask
+            attention_mask = hidden_states.new_zeros(attention_mask.shape).masked_fill(
+                ~attention_mask, torch.finfo(hidden_states.dtype).min
+            )
+        elif own and module.config._attn_implementation != "sdpa":
+            raise RuntimeError(
+                f"a packed row needs SDPA or eager attention, not {module.config._attn_implementation}"
+            )
     if own:
         return type(module).forward(
             module, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
         )
-    batch, tokens = hidden_states.shape[:2]
     shape = (batch, tokens, -1, module.head_dim)
     q, k = module.q_proj(hidden_states).view(shape), module.k_proj(hidden_states).view(shape)
     if hasattr(module, "q_norm"):  # Qwen3: RMSNorm over each head
         q, k = module.q_norm(q), module.k_norm(k)
     q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
     v = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    if cu is not None and attention_mask is None:
+        out = packed_attention(q, k, v, cu, longest, module.scaling)
+        return module.o_proj(out), None
     out = torch.nn.functional.scaled_dot_product_attention(
         q,
         k,
@@ -281,6 +302,78 @@ def attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return module.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1)), None
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, longest: int, scale: float
+) -> torch.Tensor:
+    """Causal attention within each of the packed sequences that ``cu_seq_lens`` (B + 1,) delimits
+    (rl/packing.py): q (1, H, total, D), k and v (1, KV heads, total, D) -> (1, total, H x D). The
+    sequences are laid out as (B, longest) rows for one SDPA call, each row's tail filled with copies of
+    its last token: a causal query never sees the keys after it, and the filler's outputs are dropped
+    (their gradients are zero)."""
+    lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    t = torch.arange(longest, device=q.device)
+    index = cu_seq_lens[:-1, None].long() + torch.minimum(t, lengths[:, None] - 1)  # (B, longest)
+    rows = index.shape[0]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # (1, heads, total, D) -> (B, heads, longest, D)
+        heads, d = x.shape[1], x.shape[3]
+        return (
+            x[0]
+            .transpose(0, 1)
+            .index_select(0, index.flatten())
+            .view(rows, longest, heads, d)
+            .transpose(1, 2)
+        )
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        padded(q),
+        padded(k),
+        padded(v),
+        scale=scale,
+        is_causal=longest > 1,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    real = (t < lengths[:, None]).flatten().nonzero().squeeze(1)  # row by row: the packed order
+    return out.transpose(1, 2).reshape(index.numel(), -1).index_select(0, real).unsqueeze(0)
+
+
+def packed_mask(cu_seq_lens: torch.Tensor, tokens: int, window: float) -> torch.Tensor:
+    """The (1, 1, total, total) boolean mask of a packed row: each token sees its own sequence's tokens up
+    to itself, the last ``window`` of them (where ``packed_attention`` cannot: a sliding window shorter
+    than a sequence, or a module's own forward)."""
+    lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    device = cu_seq_lens.device
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    position = torch.arange(tokens, device=device)
+    back = position[:, None] - position[None, :]  # how far back each key is from each query
+    visible = (sequence[:, None] == sequence[None, :]) & (back >= 0) & (back < window)
+    return visible[None, None]
+
+
+def _window(module: torch.nn.Module) -> float:
+    """The keys a query of ``module`` sees at most (its sliding window; Mistral's is its config's), or
+    infinity: a packed sequence no longer than this attends through ``packed_attention`` exactly."""
+    window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+    return float("inf") if window is None else window
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether a packed forward of ``model`` (rl/packing.py) runs every attention module fused, each
+    attending within the packed sequences at the cost of their own lengths (SDPA the attention function,
+    no attention dropout in training, no autocast; a sequence longer than a sliding window attends through
+    ``packed_mask``, at the cost of the whole packed row); see ``_swaps`` for the rest."""
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    fused = {id(module) for module, forward in _swaps(model) if forward is attention}
+    modules = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in ATTENTION_CLASSES]
+    return bool(modules) and all(
+        id(m) in fused
+        and m.config._attn_implementation == "sdpa"
+        and not (m.training and m.attention_dropout > 0)
+        for m in modules
+    )
 
 
 def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:

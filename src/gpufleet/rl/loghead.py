@@ -100,14 +100,22 @@ class LogprobHead(torch.nn.Module):
     """The output head turned into per-token (log-prob, entropy) of ``targets`` (see the module docstring).
 
     Called on the hidden states of the T + 1 kept positions (B, T + 1, H); the last one predicts nothing
-    in ``targets`` and is dropped. Returns (B, T, 2) float32."""
+    in ``targets`` and is dropped (with ``drop_last=False``, on T positions: a packed forward's, which
+    keeps only the predicting ones). Returns (B, T, 2) float32."""
 
     def __init__(
-        self, head: torch.nn.Module, targets: torch.Tensor, chunk: int, softcap: float | None, settings: tuple
+        self,
+        head: torch.nn.Module,
+        targets: torch.Tensor,
+        chunk: int,
+        softcap: float | None,
+        settings: tuple,
+        drop_last: bool = True,
     ):
         super().__init__()
         self.head = head
         self.targets, self.chunk, self.softcap, self.settings = targets, chunk, softcap, settings
+        self.drop_last = drop_last
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden)
@@ -118,7 +126,8 @@ class LogprobHead(torch.nn.Module):
         return logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logp, entropy = chunked_stats(self.logits, hidden[:, :-1], self.targets, self.chunk, self.settings)
+        source = hidden[:, :-1] if self.drop_last else hidden
+        logp, entropy = chunked_stats(self.logits, source, self.targets, self.chunk, self.settings)
         return torch.stack([logp, entropy], dim=-1)
 
 

@@ -38,20 +38,17 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.rl import nativeloop
+from gpufleet.rl import nativeloop, packing
 from gpufleet.rl.fastdecode import FastDecoder
 from gpufleet.rl.fusedlayers import fused_layers
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
 from gpufleet.rl.sampling import pick, row_uniforms
-from gpufleet.rl.switches import switched_off
+from gpufleet.rl.switches import FUSED_LOGPROBS, switched_off
 
 __all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
 
 FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 """Set to 0 to sample through the Hugging Face forward even where ``FastDecoder`` supports the model."""
-
-FUSED_ENV = "GPUFLEET_FUSED_LOGPROBS"
-"""Set to 0 to take log-probs from the model's full logits even where ``loghead`` supports the model."""
 
 
 _DROP_FRACTION = 0.25
@@ -362,7 +359,9 @@ def sequence_logprobs(
     head is ``loghead.LogprobHead`` during the call: logits exist ``chunk`` positions at a time only
     (default: about 16M logits per chunk), each chunk recomputed in backward; for other models (or with
     ``GPUFLEET_FUSED_LOGPROBS=0``) the completion's logits are made whole and the statistics taken in chunks.
-    Values at masked positions are computed but meaningless; the caller applies the mask.
+    On a CPU with the fused layers the rows are packed into one sequence first (``packing``: no padding
+    computed; zero where a row has no attended token). Values at masked positions are computed but
+    meaningless; the caller applies the mask.
     """
     batch, length = input_ids.shape
     steps = length - completion_start
@@ -371,6 +370,10 @@ def sequence_logprobs(
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
     targets = input_ids[:, completion_start:]
     settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
+    if packing.applies(model, eos_token_id, min_new_tokens):
+        packed = packing.logprobs(model, input_ids, attention_mask, completion_start, settings, chunk)
+        if packed is not None:
+            return packed
 
     def forward() -> torch.Tensor:
         with fused_layers(model):
@@ -382,7 +385,7 @@ def sequence_logprobs(
                 logits_to_keep=steps + 1,
             ).logits
 
-    lm = causal_lm(model) if not switched_off(FUSED_ENV) else None
+    lm = causal_lm(model) if not switched_off(FUSED_LOGPROBS) else None
     if lm is not None:
         size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * lm.config.vocab_size))
 

@@ -25,8 +25,8 @@ from gpufleet.rl.batch import (
     GenerationBatch,
     Scored,
     completion_seed,
+    length_cut,
     logprobs_of,
-    pass_tokens,
     rank_rows,
     reuse_count,
     tokenize_prompts,
@@ -225,7 +225,9 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     normalizer = p.loss.normalizer(batch.input_ids.shape[0], tokens, global_tokens, rt.policy_size)
     totals = dict.fromkeys(("loss", "entropy"), 0.0)
     micro = t.micro_batch or t.per_device_batch
-    micro_batches = [mb for _, mb in batch.micro_batches(micro, pass_tokens(p.policy))]
+    with autocast():
+        cut = length_cut(p.train_model, p.early)
+    micro_batches = [mb for _, mb in batch.micro_batches(micro, cut)]
     with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
         gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
         opt.zero_grad(set_to_none=True)

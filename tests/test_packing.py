@@ -1,0 +1,212 @@
+"""A micro-batch's sequences packed into one row for the CPU training forward (rl/packing.py): the layout
+by hand, attention within each sequence, and log-probs, entropies and gradients equal to the padded
+forward's (and to Hugging Face's own attention over the packed row)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpufleet.rl import fusedlayers, packing
+from gpufleet.rl.rollout import sequence_logprobs
+from test_fastdecode import CONFIGS, VOCAB
+from test_fusedlayers import _model
+
+
+def test_the_layout_by_hand():
+    ids = torch.tensor(
+        [
+            [0, 11, 12, 21, 22, 23],  # a left-padded prompt of 2, a completion of 3
+            [13, 14, 15, 24, 0, 0],  # a prompt of 3, a completion of 1 (then padding)
+            [0, 0, 16, 0, 0, 0],  # a prompt of 1, no completion token attended
+        ]
+    )
+    mask = (ids > 0).long()
+    p = packing.pack(ids, mask, 3)
+    assert p.input_ids.tolist() == [[11, 12, 21, 22, 23, 13, 14, 15, 24, 16]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0]]
+    assert p.cu_seq_lens.tolist() == [0, 5, 9, 10] and p.cu_seq_lens.dtype == torch.int32
+    assert p.max_length == 5
+    # row 0 predicts its 3 completion tokens from packed positions 1, 2, 3; row 1 its one from 7
+    assert p.kept.tolist() == [1, 2, 3, 7]
+    assert p.targets.tolist() == [[21, 22, 23, 24]]
+    assert p.where.tolist() == [0, 1, 2, 3]  # rows x 3 columns: (0, 0), (0, 1), (0, 2), (1, 0)
+    out = packing.unpack(torch.tensor([1.0, 2.0, 3.0, 4.0]), p, 3, 3)
+    assert out.tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]]
+
+
+def test_rows_that_do_not_pack():
+    ids = torch.arange(1, 13).view(2, 6)
+    gap = torch.ones_like(ids)
+    gap[1, 4] = 0  # a hole inside the completion: two runs
+    assert packing.pack(ids, gap, 3) is None
+    no_prompt = torch.ones_like(ids)
+    no_prompt[0, :3] = 0  # nothing to predict the first completion token from
+    assert packing.pack(ids, no_prompt, 3) is None
+    assert packing.pack(ids, torch.ones_like(ids), 3) is not None
+
+
+def _per_sequence(q, k, v, lengths, scale):
+    """Each sequence on its own through SDPA (the key/value heads repeated), concatenated."""
+    outs, start = [], 0
+    for n in lengths:
+        s = slice(start, start + n)
+        rep = q.shape[1] // k.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s],
+            k[:, :, s].repeat_interleave(rep, 1),
+            v[:, :, s].repeat_interleave(rep, 1),
+            is_causal=True,
+            scale=scale,
+        )
+        outs.append(o.transpose(1, 2).reshape(1, n, -1))
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_attention_within_each_sequence_forward_and_backward(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, total, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, kv_heads, total, 8, generator=g, requires_grad=True)
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    gout = torch.randn(1, total, 32, generator=g)
+    ours = fusedlayers.packed_attention(q, k, v, cu, 9, 0.3)
+    grads = torch.autograd.grad(ours, (q, k, v), gout)
+    want = _per_sequence(q, k, v, lengths, 0.3)
+    want_grads = torch.autograd.grad(want, (q, k, v), gout)
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _batch(seed: int = 0):
+    """Six rows: prompts of 1-4 tokens left-padded to 4, completions of 1-8 tokens right-padded to 8."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (6, 12), generator=g)
+    mask = torch.ones_like(ids)
+    for row, (prompt, completion) in enumerate([(4, 8), (1, 3), (2, 8), (3, 1), (4, 5), (1, 2)]):
+        mask[row, : 4 - prompt] = 0
+        mask[row, 4 + completion :] = 0
+    return ids, mask
+
+
+def _run(model, ids, mask, packed: bool, monkeypatch, **kw):
+    monkeypatch.setenv("GPUFLEET_PACKED", "1" if packed else "0")
+    model.zero_grad(set_to_none=True)
+    logp, entropy = sequence_logprobs(model, ids, mask, 4, **kw)
+    keep = mask[:, 4:].float()
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(logp.shape, generator=g)
+    ((logp * weights * keep).sum() + 0.1 * (entropy * keep).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp.detach() * keep, entropy.detach() * keep, grads
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "llama-bias-llama3-rope", "qwen2-wide-sliding-window"])
+def test_packed_forward_equals_the_padded_one(kind, monkeypatch):
+    model = _model(kind)
+    ids, mask = _batch()
+    kw = {"temperature": 0.7, "suppress_tokens": (0,)}
+    calls = []
+    counted = fusedlayers.packed_attention
+    monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(a[4]) or counted(*a))
+    packed = _run(model, ids, mask, True, monkeypatch, **kw)
+    assert calls and set(calls) == {12}  # every layer attended within the sequences (the longest: 12)
+    calls.clear()
+    padded = _run(model, ids, mask, False, monkeypatch, **kw)
+    assert not calls
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(packed[1], padded[1], rtol=0, atol=2e-6)
+    for name, grad in packed[2].items():
+        torch.testing.assert_close(
+            grad, padded[2][name], rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_mask_is_the_one_hugging_face_builds_for_packed_positions(window):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config = CONFIGS["qwen2-wide-sliding-window"]()
+    config.sliding_window = window
+    config._attn_implementation = "sdpa"
+    p = packing.pack(*_batch(), 4)
+    total = p.input_ids.shape[1]
+    make = create_causal_mask if window is None else create_sliding_window_causal_mask
+    theirs = make(
+        config=config,
+        inputs_embeds=torch.zeros(1, total, 8),
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=p.position_ids,
+    )
+    ours = fusedlayers.packed_mask(p.cu_seq_lens, total, float("inf") if window is None else window)
+    assert torch.equal(ours, theirs.expand_as(ours))
+
+
+def test_a_modules_own_forward_over_the_packed_row(monkeypatch):
+    """Where the fused attention does not run (here: eager attention), a packed row still attends within
+    its sequences (``fusedlayers.packed_mask``)."""
+    model = _model("qwen3")
+    p = packing.pack(*_batch(1), 4)
+    with torch.no_grad():
+        fused = _kept_logits(model, p)
+        model.config._attn_implementation = "eager"
+        own = _kept_logits(model, p)
+    torch.testing.assert_close(fused, own, rtol=0, atol=1e-5)
+
+
+def test_a_sliding_window_shorter_than_the_rows(monkeypatch):
+    model = _model("qwen2-wide-sliding-window")
+    model.config.sliding_window = 3
+    for layer in model.model.layers:
+        if layer.self_attn.sliding_window is not None:
+            layer.self_attn.sliding_window = 3
+    ids, mask = _batch()
+    calls = []
+    counted = fusedlayers.packed_mask
+    monkeypatch.setattr(fusedlayers, "packed_mask", lambda *a: calls.append(a[2]) or counted(*a))
+    packed = _run(model, ids, mask, True, monkeypatch)
+    assert calls and set(calls) == {3}  # the sliding layer through the mask, the others within rows
+    padded = _run(model, ids, mask, False, monkeypatch)
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=2e-6)
+    for name, grad in packed[2].items():
+        torch.testing.assert_close(grad, padded[2][name], rtol=1e-4, atol=2e-6)
+
+
+def _kept_logits(model, p: packing.Packed) -> torch.Tensor:
+    with fusedlayers.fused_layers(model):
+        return model(**p.forward_kwargs()).logits
+
+
+def test_where_the_rows_are_not_packed(monkeypatch):
+    model = _model("qwen3")
+    assert packing.applies(model, None, 0) and packing.applies(model, 2, 0)
+    assert not packing.applies(model, 2, 3)  # EOS held back early: counted per row, in the padded forward
+    assert not packing.applies(_model("qwen3", torch.float64), None, 0)  # the fused layers do not run
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not packing.applies(model, None, 0)
+    eager = _model("qwen3")
+    eager.config._attn_implementation = "eager"
+    assert not packing.applies(eager, None, 0)
+    monkeypatch.setenv("GPUFLEET_PACKED", "0")
+    assert not packing.applies(model, None, 0)
+    monkeypatch.setenv("GPUFLEET_PACKED", "1")
+    monkeypatch.setenv("GPUFLEET_FUSED_LOGPROBS", "0")
+    assert not packing.applies(model, None, 0)
+
+
+def test_min_new_tokens_takes_the_padded_forward(monkeypatch):
+    model = _model("qwen3")
+    ids, mask = _batch()
+    seen = []
+    monkeypatch.setattr(packing, "pack", lambda *a: seen.append(1))
+    with torch.no_grad():
+        sequence_logprobs(model, ids, mask, 4, eos_token_id=2, min_new_tokens=3)
+        assert not seen
+        sequence_logprobs(model, ids, mask, 4, eos_token_id=2)
+    assert seen  # then packed (here: pack says no, and the padded forward runs)
