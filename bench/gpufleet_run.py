@@ -10,7 +10,16 @@ import argparse
 import json
 from pathlib import Path
 
-from measure import BENCH_MODELS, PROMPT_TOKENS, TEMPERATURE, Preset, StepClock, model_folder, write_result
+from measure import (
+    BENCH_MODELS,
+    PROMPT_TOKENS,
+    TEMPERATURE,
+    Preset,
+    StepClock,
+    add_peak,
+    model_folder,
+    write_result,
+)
 
 
 def job_sets(a: argparse.Namespace, p: Preset, out: Path) -> list[str]:
@@ -93,3 +102,4 @@ def run(a: argparse.Namespace, p: Preset) -> None:
         max_length=[r["completions/max_length"] for r in rows],
         timing={k: [r.get(k, 0.0) for r in rows] for k in rows[0] if k.startswith("timing/")},
     )
+    add_peak(Path(a.result), p, a.threads, a.device, a.precision)

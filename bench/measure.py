@@ -152,6 +152,22 @@ class StepClock:
         }
 
 
+def add_peak(path: Path, p: Preset, threads: int, device: str, precision: str) -> None:
+    """Add to a run's result file the matmul peak over the step's shapes (`gemm_peak.measure`, 2 trials
+    each; CPU-time FLOP/s, or the GPU's), measured in the worker right after its run: the machine as that
+    run found it (the clock moves between runs of one afternoon; `phases.py` reports the step against
+    both peaks), and the seconds it took (`vs_trl.py` leaves them out of the process's time)."""
+    from gemm_peak import measure
+
+    t0 = time.perf_counter()
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    cfg = model_config(p)
+    peak = measure(cfg, p.batch, PROMPT_TOKENS, p.completion_tokens, threads, 2, device, dtype)["peak_cpu"]
+    result = json.loads(path.read_text())
+    result |= {"peak": peak, "peak_s": time.perf_counter() - t0}
+    path.write_text(json.dumps(result))
+
+
 def write_result(path: Path, clock: StepClock, first_step_s: float, **fields: object) -> None:
     """Write one run's result: `fields` (trainer, seed, settings, reward, ...), the clock's timings, and this
     process's peak RSS (`ru_maxrss`) and CPU time."""

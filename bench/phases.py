@@ -81,7 +81,32 @@ def phase_table(
             f"| **{name}, whole step** ({clock}) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
         )
     per_step = {k: v / max(steps, 1) for k, v in flops.items()}
-    return [*lines, "", *floor_lines(per_step, peak, cpus["TRL 1.16"], goal)]
+    return [
+        *lines,
+        "",
+        *run_peak_lines(total, runs, trl, warmup, key),
+        *floor_lines(per_step, peak, cpus["TRL 1.16"], goal),
+    ]
+
+
+def run_peak_lines(total: float, runs: list[dict], trl: list[dict], warmup: int, key: str) -> list[str]:
+    """The whole step against the peak each run's own process measured right after its steps
+    (`measure.add_peak`; the machine's clock as that run found it): per run, FLOPs per step / its median
+    step time / its peak, the median over runs. None where the results have no such peak (older files)."""
+    every = [*runs, *trl]
+    if not every or any("peak" not in r for r in every):
+        return []
+
+    def fraction(rs: list[dict]) -> float:
+        return med([total / med(r[key][warmup:]) / r["peak"] for r in rs])
+
+    peaks = sorted(r["peak"] / 1e9 for r in every)
+    return [
+        f"Against the peak each run's process measured right after its steps ({peaks[0]:.1f}-{peaks[-1]:.1f} "
+        f"GFLOP/s, median {med(peaks):.1f}): gpufleet **{fraction(runs):.0%}**, TRL {fraction(trl):.0%} "
+        "(median over runs of FLOPs per step / the run's median step / its peak).",
+        "",
+    ]
 
 
 def floor_lines(flops: dict[str, float], peak: dict, trl_step: float, goal: float | None) -> list[str]:

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from measure import TEMPERATURE, Preset, StepClock, model_folder, write_result
+from measure import TEMPERATURE, Preset, StepClock, add_peak, model_folder, write_result
 
 # GRPOConfig fields printed into the run's log (what TRL really ran with).
 SHOWN_SETTINGS = (
@@ -149,3 +149,4 @@ def run(a: argparse.Namespace, p: Preset) -> None:
         reward=rewards,
         completion_length=lengths,
     )
+    add_peak(Path(a.result), p, a.threads, a.device, a.precision)

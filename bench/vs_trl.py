@@ -79,7 +79,7 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
     r = json.loads(result.read_text())
     if a.device == "cuda":  # a 0.5B model's checkpoint and final weights: GBs per run, all read already
         shutil.rmtree(out, ignore_errors=True)
-    r["process_s"] = time.perf_counter() - t0
+    r["process_s"] = time.perf_counter() - t0 - r.get("peak_s", 0.0)  # the training process alone
     r["load_before"] = load
     r["load_after"] = os.getloadavg()[0]
     return r
