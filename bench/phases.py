@@ -56,14 +56,17 @@ def phase_table(
             for ph in PHASES:
                 secs[ph] += run["timing"].get(f"timing/{ph}", [0.0] * (s + 1))[s] * factor
             steps += 1
-    peak_cpu = peak["peak_cpu"]
+    after = [r["peak"] for r in (*runs, *trl) if "peak" in r]  # measured after each run (measure.add_peak)
+    peak_cpu = max([peak["peak_cpu"], *after])  # a slow moment's measurement is not the machine's peak
+    peak = peak | {"peak_cpu": peak_cpu}
     square, device = peak.get("square", 1024), peak.get("device", "cpu")
     clock = "CPU time" if key == "cpu_step_time" else "wall time"
     where = f"{peak['threads']} thread(s)" if device == "cpu" else device
     lines = [
-        f"Matmul peak (`bench/gemm_peak.py`, {peak.get('dtype', 'float32')}, {where}, best shape of the step): "
-        f"{peak_cpu / 1e9:.1f} GFLOP/s by {clock} ({peak['peak_wall'] / 1e9:.1f} by wall time; {square}^3 square "
-        f"{peak['square_cpu'] / 1e9:.1f}).",
+        f"Matmul peak (`bench/gemm_peak.py`, {peak.get('dtype', 'float32')}, {where}, best shape of the step"
+        f"{', the best of the measurement before the runs and those after each' if after else ''}): "
+        f"{peak_cpu / 1e9:.1f} GFLOP/s by {clock} ({peak['peak_wall'] / 1e9:.1f} by wall time before the runs; "
+        f"{square}^3 square {peak['square_cpu'] / 1e9:.1f}).",
         "",
         f"| gpufleet phase | GFLOP per step | ms per step ({'CPU-scaled' if device == 'cpu' else 'wall'}) | GFLOP/s | fraction of peak |",
         "|---|---:|---:|---:|---:|",
@@ -81,12 +84,31 @@ def phase_table(
             f"| **{name}, whole step** ({clock}) | {total / 1e9:.2f} | {cpu * 1000:.0f} | {total / cpu / 1e9:.1f} | **{total / cpu / peak_cpu:.0%}** |"
         )
     per_step = {k: v / max(steps, 1) for k, v in flops.items()}
+    useful = _attended_flops(cfg, batch, prompt, beta, runs, warmup)
+    if useful:
+        lines += [
+            "",
+            f"Counting only the tokens the rows hold (each step at its mean completion length, not its "
+            f"longest): {useful / 1e9:.2f} GFLOP per step, gpufleet {useful / cpus['gpufleet'] / peak_cpu:.0%} "
+            "of the peak.",
+        ]
     return [
         *lines,
         "",
         *run_peak_lines(total, runs, trl, warmup, key),
         *floor_lines(per_step, peak, cpus["TRL 1.16"], goal),
     ]
+
+
+def _attended_flops(cfg: dict, batch: int, prompt: int, beta: float, runs: list[dict], warmup: int) -> float:
+    """FLOPs per step over the tokens the rows hold (the step's mean completion length for every row; no
+    decoding past a row's end), mean over the runs' steps after `warmup`; 0 without the lengths."""
+    lengths = [x for r in runs for x in r.get("completion_length", [])[warmup:]]
+    if not lengths:
+        return 0.0
+    return sum(step_flops(cfg, batch, prompt, max(1, round(n)), beta)["total"] for n in lengths) / len(
+        lengths
+    )
 
 
 def run_peak_lines(total: float, runs: list[dict], trl: list[dict], warmup: int, key: str) -> list[str]:

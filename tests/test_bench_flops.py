@@ -97,4 +97,29 @@ def test_the_step_against_each_runs_own_peak():
     trl = [{"cpu_step_time": [9.0, 1.0], "peak": 5e9}]
     (line, _) = run_peak_lines(1e9, gf, trl, 1, "cpu_step_time")
     assert "(4.0-8.0 GFLOP/s, median 5.0): gpufleet **50%**, TRL 20%" in line
-    assert run_peak_lines(1e9, [{"cpu_step_time": [1.0]}], trl, 0, "cpu_step_time") == []  # no peak: older files
+    assert (
+        run_peak_lines(1e9, [{"cpu_step_time": [1.0]}], trl, 0, "cpu_step_time") == []
+    )  # no peak: older files
+
+
+def test_the_peak_is_the_best_measurement_and_the_attended_tokens_are_counted_too():
+    from phases import phase_table
+
+    run = {
+        "step_time": [9.0, 1.0],
+        "cpu_step_time": [9.0, 1.0],
+        "max_length": [3, 3],
+        "completion_length": [3.0, 1.0],  # the step after warm-up: rows of 1 token on average
+        "timing": {"timing/generate": [0.0, 0.5], "timing/backward": [0.0, 0.5]},
+        "peak": 2e4,  # measured after the run, above the measurement before the runs
+    }
+    before = {"peak_cpu": 1e4, "peak_wall": 1e4, "square_cpu": 1e4, "square": 1024, "threads": 1}
+    before |= {"device": "cpu", "dtype": "float32", "shapes": [{"name": "decode q/o", "cpu_flops": 1e3}]}
+    lines = phase_table(CFG, 2, 2, 0.04, [run], [run], 1, before)
+    assert "the best of the measurement before the runs and those after each" in lines[0]
+    whole = step_flops(CFG, 2, 2, 3, 0.04)["total"]
+    attended = step_flops(CFG, 2, 2, 1, 0.04)["total"]
+    step = next(x for x in lines if x.startswith("| **gpufleet, whole step**"))
+    assert f"**{whole / 2e4:.0%}**" in step  # of the better peak
+    (line,) = [x for x in lines if x.startswith("Counting only")]
+    assert f"{attended / 1e9:.2f} GFLOP per step, gpufleet {attended / 2e4:.0%} of the peak" in line

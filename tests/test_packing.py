@@ -44,6 +44,9 @@ def test_rows_that_do_not_pack():
     no_prompt[0, :3] = 0  # nothing to predict the first completion token from
     assert packing.pack(ids, no_prompt, 3) is None
     assert packing.pack(ids, torch.ones_like(ids), 3) is not None
+    prompts_only = torch.ones_like(ids)
+    prompts_only[:, 3:] = 0  # no completion token attended in any row: nothing to predict
+    assert packing.pack(ids, prompts_only, 3) is None
 
 
 def _per_sequence(q, k, v, lengths, scale):
@@ -210,3 +213,57 @@ def test_min_new_tokens_takes_the_padded_forward(monkeypatch):
         assert not seen
         sequence_logprobs(model, ids, mask, 4, eos_token_id=2)
     assert seen  # then packed (here: pack says no, and the padded forward runs)
+
+
+def test_packed_only_where_it_saves_more_than_pack_over(monkeypatch):
+    from gpufleet.rl import batch as batch_module
+
+    model = _model("qwen3")
+    ids, mask = _batch()  # 72 positions, 42 of them attended: packing saves 30
+    calls = []
+    counted = fusedlayers.packed_attention
+    monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(1) or counted(*a))
+    with torch.no_grad():
+        sequence_logprobs(model, ids, mask, 4, pack_over=29)
+        assert calls
+        calls.clear()
+        sequence_logprobs(model, ids, mask, 4, pack_over=30)
+        sequence_logprobs(model, ids, mask, 4, pack_over=None)
+    assert not calls
+    cost = batch_module.pass_tokens(model)
+    assert batch_module.pack_over(model) == int(cost * batch_module.PACK_SHARE)
+    assert batch_module.pack_over(torch.nn.Linear(4, 4)) is None  # no pass cost known: never packed
+
+
+@pytest.mark.parametrize("micro", [8, 3])
+def test_a_training_step_packed_equals_the_padded_one(tmp_path, monkeypatch, micro):
+    """The trainer's optimizer step (policy log-probs, the reference's, the loss) with every micro-batch
+    packed, against the same step with the rows padded and cut by length."""
+    from gpufleet.rl import batch as batch_module
+    from gpufleet.rl import trainer
+    from test_trainer import grads_for, make_job
+
+    job = make_job(tmp_path, "algorithm.beta=0.1", "rollout.max_completion_length=16")
+    parts = trainer.build(job)
+    scored = trainer.generation_step(parts, 0, trainer.autocast_for(job, parts.device))
+    assert len(set(scored.batch.completion_lengths())) > 2  # completions of different lengths
+    monkeypatch.setattr(batch_module, "PACK_SHARE", 0.0)  # pack whatever padding it saves
+    calls = []
+    counted = fusedlayers.packed_attention
+    monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(1) or counted(*a))
+    ref = batch_module.logprobs_of(
+        parts.reference, scored.batch, 1.0, micro, trainer.autocast_for(job, parts.device)
+    )
+    packed = grads_for(job, scored, parts, micro)
+    assert calls
+    monkeypatch.setenv("GPUFLEET_PACKED", "0")
+    calls.clear()
+    padded_ref = batch_module.logprobs_of(
+        parts.reference, scored.batch, 1.0, micro, trainer.autocast_for(job, parts.device)
+    )
+    padded = grads_for(job, scored, parts, micro)
+    assert not calls
+    mask = scored.batch.completion_mask.bool()
+    torch.testing.assert_close(ref[mask], padded_ref[mask], rtol=0, atol=2e-6)
+    for a, b in zip(packed, padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)

@@ -99,10 +99,25 @@ def pass_tokens(model: torch.nn.Module) -> int | None:
     return max(1, round(PASS_FLOPS * layers / (6 * sum(p.numel() for p in inner.parameters()))))
 
 
+PACK_SHARE = 0.25
+"""What packing a micro-batch's rows costs on a CPU (rl/packing.py: the layout, and a gather each way
+around every attention) as a share of one more pass (``pass_tokens``): on the `small` benchmark model
+about 5 of a pass's ~20 ms; the tiny built-in model's `speed` step took about 4 ms longer packed."""
+
+
+def pack_over(model: torch.nn.Module) -> int | None:
+    """The padded positions a packed forward of ``model`` must save to pay for itself (``PACK_SHARE`` of
+    ``pass_tokens``: 16 for the `small` benchmark model, 312 for the tiny built-in one); None where no
+    pass cost is known (not on a CPU: nothing is packed there)."""
+    cost = pass_tokens(model)
+    return None if cost is None else int(cost * PACK_SHARE)
+
+
 def length_cut(model: torch.nn.Module, early: tuple[int | None, int]) -> int | None:
     """The ``pass_cost`` of ``GenerationBatch.micro_batches`` for ``model``: ``pass_tokens``, or None where
-    its forward packs the rows (rl/packing.py: no padding to save by cutting). ``early``: (EOS id,
-    min_new_tokens). Call it under the forward's autocast."""
+    its forward packs the rows (rl/packing.py): then a micro-batch with more padding than ``pack_over`` is
+    packed, and one with less would not have been cut either (a pass costs more than packing).
+    ``early``: (EOS id, min_new_tokens). Call it under the forward's autocast."""
     return None if packing.applies(model, *early) else pass_tokens(model)
 
 
@@ -172,6 +187,7 @@ def logprobs_of(
     out = torch.zeros(ids.shape[0], ids.shape[1] - batch.completion_start, device=ids.device)
     with autocast():
         cut = length_cut(model, early)
+    over = pack_over(model)
     for index, mb in batch.micro_batches(micro, cut):
         with autocast():
             lp, _ = sequence_logprobs(
@@ -183,6 +199,7 @@ def logprobs_of(
                 suppress_tokens=suppress_tokens,
                 eos_token_id=early[0],
                 min_new_tokens=early[1],
+                pack_over=over,
             )
         out[index, : lp.shape[1]] = lp.float()
     return out

@@ -1,8 +1,8 @@
 """A micro-batch's sequences packed into one row for the CPU training forward: no padding computed.
 
 A micro-batch is (B, P + T): prompts left-padded to P, completions right-padded to T. Its padded forward
-computes every position, padding included (the `small` benchmark's steps: about a quarter of the
-positions), and on a CPU the time of a forward is its positions' matmuls. Packed, the rows' attended
+computes every position, padding included (the `small` benchmark's steps: a third of the positions),
+and on a CPU the time of a forward is its positions' matmuls. Packed, the rows' attended
 tokens are laid end to end as one sequence of `total` tokens, each row's positions counted from 0
 again; the model is called once on it with:
 
@@ -21,7 +21,7 @@ meaningless before too; callers mask them). Used by ``rollout.sequence_logprobs`
 model runs the fused CPU layers and head; each row's attended tokens are one run that starts in the prompt;
 no EOS is held back for ``min_new_tokens`` (its early positions are counted per row).
 
-The results equal the padded forward's to rounding (the matmuls see other row counts): within 1e-6,
+The results equal the padded forward's to rounding (the matmuls see other row counts): within 2e-6,
 gradients too (tested). Micro-batches need no cutting by length when packed (``rl/batch.py``).
 """
 
@@ -90,19 +90,24 @@ def applies(model: torch.nn.Module, eos_token_id: int | None, min_new_tokens: in
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_start: int) -> Packed | None:
     """``input_ids`` (B, P + T) packed; None where a row's attended tokens are not one run that starts
-    before ``completion_start`` (nothing to predict its first completion token from)."""
+    before ``completion_start`` (nothing to predict its first completion token from), or where no row has
+    an attended completion token."""
     attended = attention_mask > 0
     batch, width = attended.shape
     counts = attended.sum(dim=1)
     first = attended.int().argmax(dim=1)
     last = width - 1 - attended.flip(1).int().argmax(dim=1)
-    if bool(((counts == 0) | (first >= completion_start) | (last - first + 1 != counts)).any()):
-        return None  # a row without a prompt token, or with a second run of attended tokens
+    predicting = (last - completion_start + 1).clamp(min=0)  # per row: completion tokens predicted
+    if bool(((counts == 0) | (first >= completion_start) | (last - first + 1 != counts)).any()) or not bool(
+        predicting.any()
+    ):
+        return (
+            None  # a row without a prompt token or with a second run of attended tokens; nothing to predict
+        )
     cu = torch.zeros(batch + 1, dtype=torch.int32, device=input_ids.device)
     cu[1:] = counts.cumsum(0)
     steps = width - completion_start
     # the predicting positions of row b: completion_start - 1 .. last - 1 (the padded row's columns)
-    predicting = (last - completion_start + 1).clamp(min=0)  # per row: completion tokens predicted
     rows = torch.repeat_interleave(torch.arange(batch, device=input_ids.device), predicting)
     column = torch.arange(int(predicting.sum()), device=input_ids.device) - torch.repeat_interleave(
         predicting.cumsum(0) - predicting, predicting
@@ -132,12 +137,14 @@ def logprobs(
     completion_start: int,
     settings: tuple,
     chunk: int | None = None,
+    over: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``rollout.sequence_logprobs`` by a packed forward: per-token log-probs and entropies (B, T), or None
-    where the rows do not pack (``pack``). ``settings``: (temperature, suppress_tokens, EOS id,
-    min_new_tokens); the caller checked ``applies``."""
+    where the rows do not pack (``pack``) or packing computes no more than ``over`` fewer positions than
+    the padded forward. ``settings``: (temperature, suppress_tokens, EOS id, min_new_tokens); the caller
+    checked ``applies``."""
     packed = pack(input_ids, attention_mask, completion_start)
-    if packed is None:
+    if packed is None or input_ids.numel() - packed.input_ids.shape[1] <= over:
         return None
     lm = causal_lm(model)
     size = chunk or max(1, CHUNK_ELEMENTS // max(1, lm.config.vocab_size))

@@ -348,6 +348,7 @@ def sequence_logprobs(
     suppress_tokens: Sequence[int] = (),
     min_new_tokens: int = 0,
     eos_token_id: int | None = None,
+    pack_over: int | None = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
 
@@ -360,8 +361,9 @@ def sequence_logprobs(
     (default: about 16M logits per chunk), each chunk recomputed in backward; for other models (or with
     ``GPUFLEET_FUSED_LOGPROBS=0``) the completion's logits are made whole and the statistics taken in chunks.
     On a CPU with the fused layers the rows are packed into one sequence first (``packing``: no padding
-    computed; zero where a row has no attended token). Values at masked positions are computed but
-    meaningless; the caller applies the mask.
+    computed; zero where a row has no attended token) where that computes more than ``pack_over`` fewer
+    positions (None: never). Values at masked positions are computed but meaningless; the caller
+    applies the mask.
     """
     batch, length = input_ids.shape
     steps = length - completion_start
@@ -370,8 +372,10 @@ def sequence_logprobs(
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
     targets = input_ids[:, completion_start:]
     settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
-    if packing.applies(model, eos_token_id, min_new_tokens):
-        packed = packing.logprobs(model, input_ids, attention_mask, completion_start, settings, chunk)
+    if pack_over is not None and packing.applies(model, eos_token_id, min_new_tokens):
+        packed = packing.logprobs(
+            model, input_ids, attention_mask, completion_start, settings, chunk, pack_over
+        )
         if packed is not None:
             return packed
 

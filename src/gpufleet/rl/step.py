@@ -27,6 +27,7 @@ from gpufleet.rl.batch import (
     completion_seed,
     length_cut,
     logprobs_of,
+    pack_over,
     rank_rows,
     reuse_count,
     tokenize_prompts,
@@ -288,6 +289,7 @@ def _forward(p: Parts, mb: GenerationBatch) -> tuple[torch.Tensor, torch.Tensor]
         suppress_tokens=p.suppress_tokens,
         eos_token_id=p.early[0],
         min_new_tokens=p.early[1],
+        pack_over=pack_over(p.train_model),
     )
 
 
