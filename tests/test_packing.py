@@ -109,16 +109,35 @@ def _run(model, ids, mask, packed: bool, monkeypatch, **kw):
     return logp.detach() * keep, entropy.detach() * keep, grads
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral", "llama-bias-llama3-rope", "qwen2-wide-sliding-window"])
+def _moe(kind: str):
+    """Qwen2-MoE (its config's sliding window 0 where no layer slides) and Qwen3-MoE, 4 experts of 32."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    from test_fastdecode import _COMMON
+
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_key_value_heads": 2}
+    config = (
+        Qwen2MoeConfig(**_COMMON, **moe, shared_expert_intermediate_size=48)
+        if kind == "qwen2-moe"
+        else Qwen3MoeConfig(**_COMMON, **moe)
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["qwen3", "mistral", "llama-bias-llama3-rope", "qwen2-wide-sliding-window", "qwen2-moe", "qwen3-moe"],
+)
 def test_packed_forward_equals_the_padded_one(kind, monkeypatch):
-    model = _model(kind)
+    model = _moe(kind) if kind.endswith("moe") else _model(kind)
     ids, mask = _batch()
     kw = {"temperature": 0.7, "suppress_tokens": (0,)}
     calls = []
     counted = fusedlayers.packed_attention
     monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(a[4]) or counted(*a))
     packed = _run(model, ids, mask, True, monkeypatch, **kw)
-    assert calls and set(calls) == {12}  # every layer attended within the sequences (the longest: 12)
+    assert len(calls) == 2 and set(calls) == {12}  # both layers within the sequences (the longest: 12)
     calls.clear()
     padded = _run(model, ids, mask, False, monkeypatch, **kw)
     assert not calls
@@ -163,18 +182,20 @@ def test_a_modules_own_forward_over_the_packed_row(monkeypatch):
     torch.testing.assert_close(fused, own, rtol=0, atol=1e-5)
 
 
-def test_a_sliding_window_shorter_than_the_rows(monkeypatch):
-    model = _model("qwen2-wide-sliding-window")
+@pytest.mark.parametrize("kind", ["qwen2-wide-sliding-window", "mistral"])
+def test_a_sliding_window_shorter_than_the_rows(kind, monkeypatch):
+    model = _model(kind)
     model.config.sliding_window = 3
     for layer in model.model.layers:
-        if layer.self_attn.sliding_window is not None:
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
             layer.self_attn.sliding_window = 3
     ids, mask = _batch()
     calls = []
-    counted = fusedlayers.packed_mask
-    monkeypatch.setattr(fusedlayers, "packed_mask", lambda *a: calls.append(a[2]) or counted(*a))
+    counted = fusedlayers.packed_attention
+    monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(a[6]) or counted(*a))
     packed = _run(model, ids, mask, True, monkeypatch)
-    assert calls and set(calls) == {3}  # the sliding layer through the mask, the others within rows
+    # Qwen2: layer 1 slides (max_window_layers 1), layer 0 does not; Mistral: every layer slides
+    assert calls == ([float("inf"), 3] if kind.startswith("qwen2") else [3, 3])
     padded = _run(model, ids, mask, False, monkeypatch)
     torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=2e-6)
     for name, grad in packed[2].items():
@@ -196,6 +217,10 @@ def test_where_the_rows_are_not_packed(monkeypatch):
     eager = _model("qwen3")
     eager.config._attn_implementation = "eager"
     assert not packing.applies(eager, None, 0)
+    routed = _moe("qwen2-moe")
+    assert packing.applies(routed, None, 0)
+    routed.config.output_router_logits = True  # the load-balancing loss reads the attention mask
+    assert not packing.applies(routed, None, 0)
     monkeypatch.setenv("GPUFLEET_PACKED", "0")
     assert not packing.applies(model, None, 0)
     monkeypatch.setenv("GPUFLEET_PACKED", "1")

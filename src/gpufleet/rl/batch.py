@@ -116,7 +116,8 @@ def pack_over(model: torch.nn.Module) -> int | None:
 def length_cut(model: torch.nn.Module, early: tuple[int | None, int]) -> int | None:
     """The ``pass_cost`` of ``GenerationBatch.micro_batches`` for ``model``: ``pass_tokens``, or None where
     its forward packs the rows (rl/packing.py): then a micro-batch with more padding than ``pack_over`` is
-    packed, and one with less would not have been cut either (a pass costs more than packing).
+    packed, and one with less would not have been cut either (a pass costs more than packing); one whose
+    rows do not pack (``packing.pack``) runs padded, uncut (slower, the same values).
     ``early``: (EOS id, min_new_tokens). Call it under the forward's autocast."""
     return None if packing.applies(model, *early) else pass_tokens(model)
 

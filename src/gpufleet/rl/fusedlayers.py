@@ -13,8 +13,8 @@ with its backward) is one pass (``gpufleet_rope_*``) that also writes q and k in
 and SDPA gets the key/value heads with ``enable_gqa`` instead of ``repeat_kv``'s copies for every query
 head (Hugging Face passes ``enable_gqa`` only without a mask, for CUDA's sake); the ``small`` model's
 forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs). A packed row
-(rl/packing.py) attends within each of its sequences (``packed_attention``; ``packed_mask`` where it
-cannot).
+(rl/packing.py) attends within each of its sequences (``packed_attention``; ``packed_mask`` for a
+module's own forward).
 
 ``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``,
 ``ATTENTION_CLASSES``, and the ``MLP_CLASSES`` whose activation is SiLU) for the length of a block, as
@@ -267,15 +267,13 @@ def attention(
     )
     batch, tokens = hidden_states.shape[:2]
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:  # a packed row (rl/packing.py): the mask the model was given hides every key
-        longest = int(kwargs["max_length_q"])
-        within = not own and _window(module) >= longest  # packed_attention, no mask
-        attention_mask = None if within else packed_mask(cu, tokens, _window(module))
-        if own and module.config._attn_implementation == "eager":  # an additive mask, as HF's eager_mask
+    if cu is not None and own:  # a packed row (rl/packing.py) through the module's own forward
+        attention_mask = packed_mask(cu, tokens, _window(module))  # the model was given a placeholder
+        if module.config._attn_implementation == "eager":  # an additive mask, as HF's eager_mask
             attention_mask = hidden_states.new_zeros(attention_mask.shape).masked_fill(
                 ~attention_mask, torch.finfo(hidden_states.dtype).min
             )
-        elif own and module.config._attn_implementation != "sdpa":
+        elif module.config._attn_implementation != "sdpa":
             raise RuntimeError(
                 f"a packed row needs SDPA or eager attention, not {module.config._attn_implementation}"
             )
@@ -289,8 +287,8 @@ def attention(
         q, k = module.q_norm(q), module.k_norm(k)
     q, k = _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
     v = module.v_proj(hidden_states).view(shape).transpose(1, 2)
-    if cu is not None and attention_mask is None:
-        out = packed_attention(q, k, v, cu, longest, module.scaling)
+    if cu is not None:
+        out = packed_attention(q, k, v, cu, int(kwargs["max_length_q"]), module.scaling, _window(module))
         return module.o_proj(out), None
     out = torch.nn.functional.scaled_dot_product_attention(
         q,
@@ -305,13 +303,20 @@ def attention(
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, longest: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    longest: int,
+    scale: float,
+    window: float = float("inf"),
 ) -> torch.Tensor:
     """Causal attention within each of the packed sequences that ``cu_seq_lens`` (B + 1,) delimits
-    (rl/packing.py): q (1, H, total, D), k and v (1, KV heads, total, D) -> (1, total, H x D). The
-    sequences are laid out as (B, longest) rows for one SDPA call, each row's tail filled with copies of
-    its last token: a causal query never sees the keys after it, and the filler's outputs are dropped
-    (their gradients are zero)."""
+    (rl/packing.py), each query seeing its last ``window`` keys at most: q (1, H, total, D), k and v
+    (1, KV heads, total, D) -> (1, total, H x D). The sequences are laid out as (B, longest) rows for
+    one SDPA call, each row's tail filled with copies of its last token: a causal query never sees the
+    keys after it, and the filler's outputs are dropped (their gradients are zero). Every row starts at
+    position 0, so a window shorter than ``longest`` is one (longest x longest) band for all rows."""
     lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
     t = torch.arange(longest, device=q.device)
     index = cu_seq_lens[:-1, None].long() + torch.minimum(t, lengths[:, None] - 1)  # (B, longest)
@@ -327,12 +332,17 @@ def packed_attention(
             .transpose(1, 2)
         )
 
+    band = None
+    if window < longest:  # key j visible to query i where 0 <= i - j < window (HF's sliding window)
+        back = t[:, None] - t[None, :]
+        band = (back >= 0) & (back < window)
     out = torch.nn.functional.scaled_dot_product_attention(
         padded(q),
         padded(k),
         padded(v),
+        attn_mask=band,
         scale=scale,
-        is_causal=longest > 1,
+        is_causal=band is None and longest > 1,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     real = (t < lengths[:, None]).flatten().nonzero().squeeze(1)  # row by row: the packed order
@@ -341,8 +351,8 @@ def packed_attention(
 
 def packed_mask(cu_seq_lens: torch.Tensor, tokens: int, window: float) -> torch.Tensor:
     """The (1, 1, total, total) boolean mask of a packed row: each token sees its own sequence's tokens up
-    to itself, the last ``window`` of them (where ``packed_attention`` cannot: a sliding window shorter
-    than a sequence, or a module's own forward)."""
+    to itself, the last ``window`` of them (for a module's own forward, where ``packed_attention`` does
+    not run)."""
     lengths = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
     device = cu_seq_lens.device
     sequence = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
@@ -353,17 +363,23 @@ def packed_mask(cu_seq_lens: torch.Tensor, tokens: int, window: float) -> torch.
 
 
 def _window(module: torch.nn.Module) -> float:
-    """The keys a query of ``module`` sees at most (its sliding window; Mistral's is its config's), or
-    infinity: a packed sequence no longer than this attends through ``packed_attention`` exactly."""
-    window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+    """The keys a query of ``module`` sees at most, as its model chooses the layer's mask (transformers
+    5.23): by ``config.layer_types`` where the config has them (Qwen2 / Qwen3 / Qwen2-MoE: the config's
+    window on "sliding_attention" layers only; Qwen2-MoE's config holds 0 there when no layer slides),
+    else the config's window for every layer (Mistral, Qwen3-MoE; Llama: none); infinity for none."""
+    config = module.config
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and isinstance(getattr(module, "layer_idx", None), int):
+        window = config.sliding_window if types[module.layer_idx] == "sliding_attention" else None
+    else:
+        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
     return float("inf") if window is None else window
 
 
 def packs(model: torch.nn.Module) -> bool:
     """Whether a packed forward of ``model`` (rl/packing.py) runs every attention module fused, each
     attending within the packed sequences at the cost of their own lengths (SDPA the attention function,
-    no attention dropout in training, no autocast; a sequence longer than a sliding window attends through
-    ``packed_mask``, at the cost of the whole packed row); see ``_swaps`` for the rest."""
+    no attention dropout in training, no autocast); see ``_swaps`` for the rest."""
     if torch.is_autocast_enabled("cpu"):
         return False
     fused = {id(module) for module, forward in _swaps(model) if forward is attention}

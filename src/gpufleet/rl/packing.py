@@ -9,17 +9,18 @@ again; the model is called once on it with:
 * the packed ``position_ids`` (RoPE at each row's own positions);
 * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (flash-attention's names):
   the fused CPU attention (``fusedlayers.attention``) attends within each sequence through a padded
-  layout (``fusedlayers.packed_attention``), its cost that of the rows' own lengths, not of ``total``
-  (a sliding window shorter than a row, or a module's own forward: through ``fusedlayers.packed_mask``);
+  layout (``fusedlayers.packed_attention``, a sliding window as one band), its cost that of the rows'
+  own lengths, not of ``total`` (a module's own forward: through ``fusedlayers.packed_mask``);
 * an attention mask that Hugging Face passes on as it is (``Packed.mask_placeholder``), so that no
   (total x total) mask is built;
 * ``logits_to_keep`` the positions that predict a completion token, so the fused log-prob head
   (``loghead.LogprobHead``) sees only those.
 
-The per-token results come back as (B, T): zero where a row has no attended token (its values there were
+The per-token results come back as (B, T): zero past a row's last attended token (its values there were
 meaningless before too; callers mask them). Used by ``rollout.sequence_logprobs`` where ``applies``: the
 model runs the fused CPU layers and head; each row's attended tokens are one run that starts in the prompt;
-no EOS is held back for ``min_new_tokens`` (its early positions are counted per row).
+no EOS is held back for ``min_new_tokens`` (its early positions are counted per row); no MoE router
+logits are asked for (their load-balancing loss reads the attention mask).
 
 The results equal the padded forward's to rounding (the matmuls see other row counts): within 2e-6,
 gradients too (tested). Micro-batches need no cutting by length when packed (``rl/batch.py``).
@@ -53,8 +54,9 @@ class Packed:
     def mask_placeholder(self) -> torch.Tensor:
         """What the model gets as its attention mask: (1, 1, total, total) hiding every key, a view of one
         boolean. Hugging Face passes a 4-D mask to the layers as it is, so no (total x total) mask is
-        built; the fused attention attends by ``cu_seq_lens`` instead (``packs`` checked that it runs every
-        attention module), and an attention that did use it would give NaN, not a silent mix of rows."""
+        built; the fused attention attends by ``cu_seq_lens`` instead. An attention that used it would
+        see no key at all (SDPA gives zeros there): ``applies`` packs only where the fused attention runs
+        every attention module (``fusedlayers.packs``) and nothing else reads the mask."""
         total = self.input_ids.shape[1]
         return torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=self.input_ids.device).expand(
             1, 1, total, total
@@ -77,13 +79,15 @@ class Packed:
 
 def applies(model: torch.nn.Module, eos_token_id: int | None, min_new_tokens: int) -> bool:
     """Whether ``rollout.sequence_logprobs`` packs for ``model``: the fused CPU layers run every attention
-    module (``fusedlayers.packs``), the fused head applies, no EOS is held back for ``min_new_tokens``, and
-    neither ``GPUFLEET_PACKED`` nor ``GPUFLEET_FUSED_LOGPROBS`` is 0."""
+    module (``fusedlayers.packs``), the fused head applies, no EOS is held back for ``min_new_tokens``, no
+    MoE router logits are asked for, and neither ``GPUFLEET_PACKED`` nor ``GPUFLEET_FUSED_LOGPROBS`` is 0."""
+    lm = causal_lm(model)
     return (
         (eos_token_id is None or min_new_tokens <= 0)
         and not switched_off(PACKED)
         and not switched_off(FUSED_LOGPROBS)
-        and causal_lm(model) is not None
+        and lm is not None
+        and not getattr(lm.config, "output_router_logits", False)  # MoE: the aux loss reads the mask
         and packs(model)
     )
 

@@ -361,7 +361,7 @@ def sequence_logprobs(
     (default: about 16M logits per chunk), each chunk recomputed in backward; for other models (or with
     ``GPUFLEET_FUSED_LOGPROBS=0``) the completion's logits are made whole and the statistics taken in chunks.
     On a CPU with the fused layers the rows are packed into one sequence first (``packing``: no padding
-    computed; zero where a row has no attended token) where that computes more than ``pack_over`` fewer
+    computed; zero past a row's last attended token) where that computes more than ``pack_over`` fewer
     positions (None: never). Values at masked positions are computed but meaningless; the caller
     applies the mask.
     """
