@@ -392,13 +392,27 @@ def packs(model: torch.nn.Module) -> bool:
     )
 
 
+def _gathered_in_low_precision(model: torch.nn.Module) -> bool:
+    """FSDP2 mixed precision: float32 shards gathered in another dtype for the forward (MixedPrecisionPolicy's
+    ``param_dtype``, read from FSDP's state; where that is not found, False and each call checks its own
+    input as before)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = getattr(module, "_get_fsdp_state", lambda: None)()
+            dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+            return dtype not in (None, torch.float32)
+    return False
+
+
 def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     """The (module, fused forward) pairs of ``model``, in one walk over its modules; none where fusing
     does not apply (see the module docstring)."""
     from transformers.activations import SiLUActivation
 
     first = next(model.parameters(), None)
-    if first is None or switched_off(ENV) or not _fits(first):
+    if first is None or switched_off(ENV) or not _fits(first) or _gathered_in_low_precision(model):
         return []
     grad = torch.is_grad_enabled()
     swaps = []
