@@ -1,6 +1,6 @@
 """A micro-batch's sequences packed into one row for the CPU training forward (rl/packing.py): the layout
-by hand, attention within each sequence, and log-probs, entropies and gradients equal to the padded
-forward's (and to Hugging Face's own attention over the packed row)."""
+by hand, and log-probs, entropies and gradients equal to the padded forward's (and to Hugging Face's own
+attention over the packed row). The attention kernel itself: test_packedattention.py."""
 
 from __future__ import annotations
 
@@ -47,43 +47,6 @@ def test_rows_that_do_not_pack():
     prompts_only = torch.ones_like(ids)
     prompts_only[:, 3:] = 0  # no completion token attended in any row: nothing to predict
     assert packing.pack(ids, prompts_only, 3) is None
-
-
-def _per_sequence(q, k, v, lengths, scale):
-    """Each sequence on its own through SDPA (the key/value heads repeated), concatenated."""
-    outs, start = [], 0
-    for n in lengths:
-        s = slice(start, start + n)
-        rep = q.shape[1] // k.shape[1]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, s],
-            k[:, :, s].repeat_interleave(rep, 1),
-            v[:, :, s].repeat_interleave(rep, 1),
-            is_causal=True,
-            scale=scale,
-        )
-        outs.append(o.transpose(1, 2).reshape(1, n, -1))
-        start += n
-    return torch.cat(outs, dim=1)
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_attention_within_each_sequence_forward_and_backward(kv_heads):
-    g = torch.Generator().manual_seed(0)
-    lengths = [5, 1, 9, 3]
-    total = sum(lengths)
-    q = torch.randn(1, 4, total, 8, generator=g, requires_grad=True)
-    k = torch.randn(1, kv_heads, total, 8, generator=g, requires_grad=True)
-    v = torch.randn(1, kv_heads, total, 8, generator=g, requires_grad=True)
-    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
-    gout = torch.randn(1, total, 32, generator=g)
-    ours = fusedlayers.packed_attention(q, k, v, cu, 9, 0.3)
-    grads = torch.autograd.grad(ours, (q, k, v), gout)
-    want = _per_sequence(q, k, v, lengths, 0.3)
-    want_grads = torch.autograd.grad(want, (q, k, v), gout)
-    torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
-    for a, b in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 def _batch(seed: int = 0):

@@ -50,7 +50,7 @@ MAX_ROWS = 64
 GEMM reuses a weight over many rows better than this kernel's one pass per 6 rows."""
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_SOURCES = (_SOURCE, _SOURCE.with_name("layer_kernels.c"))
+_SOURCES = (_SOURCE, _SOURCE.with_name("layer_kernels.c"), _SOURCE.with_name("attention_kernels.c"))
 _HEADER = _SOURCE.with_name("simd.h")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 _loaded: dict[str, object] = {}  # "lib": the CDLL, or "reason": why there is none
@@ -229,6 +229,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.gpufleet_swiglu_backward.argtypes = [p, p, p, n, p, p, i]
     lib.gpufleet_rope_forward.argtypes = [p, p, p, n, n, n, n, i, p, i]
     lib.gpufleet_rope_backward.argtypes = [p, p, p, n, n, n, n, i, p, i]
+    lib.gpufleet_attention_scratch.argtypes = [n, n]
+    lib.gpufleet_attention_scratch.restype = n
+    lib.gpufleet_attention_forward.argtypes = [p, p, p, p, n, n, n, n, p, f, n, p, p, n, p, i]
+    lib.gpufleet_attention_backward.argtypes = [p, p, p, p, p, p, p, n, n, n, n, p, f, n, p, p, p, n, p, i]
     for name in (
         "rms_forward",
         "rms_backward",

@@ -13,7 +13,7 @@ with its backward) is one pass (``gpufleet_rope_*``) that also writes q and k in
 and SDPA gets the key/value heads with ``enable_gqa`` instead of ``repeat_kv``'s copies for every query
 head (Hugging Face passes ``enable_gqa`` only without a mask, for CUDA's sake); the ``small`` model's
 forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs). A packed row
-(rl/packing.py) attends within each of its sequences (``packed_attention``; ``packed_mask`` for a
+(rl/packing.py) attends within each of its sequences (``packed_attention``, a C kernel; ``packed_mask`` for a
 module's own forward).
 
 ``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``,

@@ -7,15 +7,6 @@
    block in row order, then the blocks in order, whatever the thread count. */
 #define NORM_BLOCK 32
 
-static inline float dot_n(const float* a, const float* b, long n) {
-  __m256 acc = _mm256_setzero_ps();
-  long i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = hsum8(acc);
-  for (; i < n; i++) sum += a[i] * b[i];
-  return sum;
-}
-
 /* out = weight * (x * rstd) with rstd = 1 / sqrt(mean(x^2) + eps) per row of n values (kept in rstd). */
 void gpufleet_rms_forward(const float* x, const float* weight, float eps, long rows, long n, float* out,
                           float* rstd, int threads) {

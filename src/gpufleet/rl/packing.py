@@ -8,9 +8,9 @@ again; the model is called once on it with:
 
 * the packed ``position_ids`` (RoPE at each row's own positions);
 * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` (flash-attention's names):
-  the fused CPU attention (``fusedlayers.attention``) attends within each sequence through a padded
-  layout (``packedattention.packed_attention``, a sliding window as one band), its cost that of the rows'
-  own lengths, not of ``total`` (a module's own forward: through ``packedattention.packed_mask``);
+  the fused CPU attention (``fusedlayers.attention``) attends within each sequence
+  (``packedattention.packed_attention``, one C pass each way over the packed row), its cost that of the
+  rows' own lengths, not of ``total`` (a module's own forward: through ``packedattention.packed_mask``);
 * an attention mask that Hugging Face passes on as it is (``Packed.mask_placeholder``), so that no
   (total x total) mask is built;
 * ``logits_to_keep`` the positions that predict a completion token, so the fused log-prob head

@@ -1,5 +1,5 @@
 /* What rl/cpu_kernels.c (the decode step) and rl/layer_kernels.c (the training layers) share: AVX2 + FMA
-   intrinsics, a vectorised exp and a lane sum. */
+   intrinsics, a vectorised exp, a lane sum and a dot product. */
 #ifndef GPUFLEET_SIMD_H
 #define GPUFLEET_SIMD_H
 #include <immintrin.h>
@@ -29,6 +29,16 @@ static inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+/* The dot product of n floats: 8 lanes of fused multiply-adds, then the lanes' sum, then the tail. */
+static inline float dot_n(const float* a, const float* b, long n) {
+  __m256 acc = _mm256_setzero_ps();
+  long i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum8(acc);
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
 }
 
 #endif
