@@ -96,7 +96,9 @@ typedef struct {
   long window; /* <= 0: none */
 } unit;
 
-static inline long first_key(const unit* u, long i) { return u->window > 0 && i - u->window + 1 > 0 ? i - u->window + 1 : 0; }
+static inline long first_key(const unit* u, long i) { /* the first key query i sees */
+  return u->window > 0 && i - u->window + 1 > 0 ? i - u->window + 1 : 0;
+}
 
 static void transpose(const float* x, long ts, long n, long d, float* xt, long ldn) {
   for (long t = 0; t < n; t++)
@@ -112,7 +114,8 @@ static void probabilities(const unit* u, long i0, long rows, long kbeg, long wid
   const __m256 scale = _mm256_set1_ps(u->scale), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (long r = 0; r < rows; r++) {
     const long i = i0 + r, lo = first_key(u, i) - kbeg, hi = i - kbeg + 1; /* visible: [lo, hi) */
-    const long end = (hi + 7) / 8 * 8; /* tiles above the diagonal were not computed: nothing read past */
+    const long end = (hi + 7) / 8 * 8; /* lanes outside [lo, hi) are read (their tiles may not have been
+                                          computed) but never used: masked, then set to 0 */
     float* sr = s + r * lds;
     const __m256 vlo = _mm256_set1_ps((float)lo), vhi = _mm256_set1_ps((float)hi);
 #define VISIBLE(j) \
@@ -174,7 +177,8 @@ static void backward_head(const unit* u, const float* kt, const float* vt, long 
       for (long j = 0; j < end; j += 8) {
         const __m256 pj = _mm256_loadu_ps(pr + j);
         const __m256 x = _mm256_mul_ps(_mm256_mul_ps(pj, _mm256_sub_ps(_mm256_loadu_ps(dr + j), dot)), scale);
-        _mm256_storeu_ps(dr + j, _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(pj, _mm256_setzero_ps(), _CMP_EQ_OQ)));
+        const __m256 unseen = _mm256_cmp_ps(pj, _mm256_setzero_ps(), _CMP_EQ_OQ);
+        _mm256_storeu_ps(dr + j, _mm256_blendv_ps(x, _mm256_setzero_ps(), unseen));
       }
       for (long j = end; j < width; j++) dr[j] = 0.0f;
     }

@@ -309,8 +309,9 @@ def packs(model: torch.nn.Module) -> bool:
     no attention dropout in training, no autocast); see ``_swaps`` for the rest."""
     if torch.is_autocast_enabled("cpu"):
         return False
-    fused = {id(module) for module, forward in _swaps(model) if forward is attention}
-    modules = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in ATTENTION_CLASSES]
+    every = list(model.modules())
+    fused = {id(module) for module, forward in _swaps(model, every) if forward is attention}
+    modules = [m for m in every if type(m).__name__.removeprefix("FSDP") in ATTENTION_CLASSES]
     return bool(modules) and all(
         id(m) in fused
         and m.config._attn_implementation == "sdpa"
@@ -319,13 +320,13 @@ def packs(model: torch.nn.Module) -> bool:
     )
 
 
-def _gathered_in_low_precision(model: torch.nn.Module) -> bool:
+def _gathered_in_low_precision(modules: list[torch.nn.Module]) -> bool:
     """FSDP2 mixed precision: float32 shards gathered in another dtype for the forward (MixedPrecisionPolicy's
     ``param_dtype``, read from FSDP's state; where that is not found, False and each call checks its own
-    input as before)."""
+    input as before). ``modules``: the model's."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in modules:
         if isinstance(module, FSDPModule):
             state = getattr(module, "_get_fsdp_state", lambda: None)()
             dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
@@ -333,17 +334,18 @@ def _gathered_in_low_precision(model: torch.nn.Module) -> bool:
     return False
 
 
-def _swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
-    """The (module, fused forward) pairs of ``model``, in one walk over its modules; none where fusing
-    does not apply (see the module docstring)."""
+def _swaps(model: torch.nn.Module, modules: list | None = None) -> list[tuple[torch.nn.Module, object]]:
+    """The (module, fused forward) pairs of ``model`` (``modules``: its modules, where the caller has them);
+    none where fusing does not apply (see the module docstring)."""
     from transformers.activations import SiLUActivation
 
     first = next(model.parameters(), None)
-    if first is None or switched_off(ENV) or not _fits(first) or _gathered_in_low_precision(model):
+    modules = list(model.modules()) if modules is None else modules
+    if first is None or switched_off(ENV) or not _fits(first) or _gathered_in_low_precision(modules):
         return []
     grad = torch.is_grad_enabled()
     swaps = []
-    for module in model.modules():
+    for module in modules:
         if getattr(module, "_compiled_call_impl", None) is not None:
             return []
         if grad and module.training and getattr(module, "gradient_checkpointing", False) is True:

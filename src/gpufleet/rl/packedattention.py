@@ -49,8 +49,11 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, longest, scale, window):
+        if any(x.dtype != torch.float32 or x.device.type != "cpu" for x in (q, k, v)):
+            raise ValueError(f"packed_attention takes float32 CPU tensors, not {q.dtype} on {q.device}")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        cu = cu.to(torch.int32).contiguous()
+        cu = cu.to(device="cpu", dtype=torch.int32).contiguous()
+        longest = max(longest, int((cu[1:] - cu[:-1]).max()))  # the scratch is sized by it
         heads, total, d = q.shape[1:]
         out = q.new_empty(total, heads, d)
         lse = q.new_empty(heads, total)

@@ -36,7 +36,7 @@ from gpufleet.rl.fusedlayers import fused_layers, packs
 from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, fused_head
 from gpufleet.rl.switches import FUSED_LOGPROBS, PACKED, switched_off
 
-__all__ = ["Packed", "applies", "logprobs", "pack", "unpack"]
+__all__ = ["Packed", "applies", "logprobs", "pack", "saves_over", "unpack"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,13 @@ def unpack(values: torch.Tensor, packed: Packed, batch: int, steps: int) -> torc
     return out.index_put((packed.where,), values).view(batch, steps)
 
 
+def saves_over(attention_mask: torch.Tensor, over: int) -> bool:
+    """Whether packing the rows computes more than ``over`` fewer positions than their padded forward.
+    Checked first: ``applies`` walks the model's modules and ``pack`` builds the layout, both for nothing
+    where there is too little padding to pack (the tiny built-in model's micro-batches)."""
+    return attention_mask.numel() - int(attention_mask.count_nonzero()) > over
+
+
 def logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -141,14 +148,12 @@ def logprobs(
     completion_start: int,
     settings: tuple,
     chunk: int | None = None,
-    over: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``rollout.sequence_logprobs`` by a packed forward: per-token log-probs and entropies (B, T), or None
-    where the rows do not pack (``pack``) or packing computes no more than ``over`` fewer positions than
-    the padded forward. ``settings``: (temperature, suppress_tokens, EOS id, min_new_tokens); the caller
-    checked ``applies``."""
+    where the rows do not pack (``pack``). ``settings``: (temperature, suppress_tokens, EOS id,
+    min_new_tokens); the caller checked ``applies`` and ``saves_over``."""
     packed = pack(input_ids, attention_mask, completion_start)
-    if packed is None or input_ids.numel() - packed.input_ids.shape[1] <= over:
+    if packed is None:
         return None
     lm = causal_lm(model)
     size = chunk or max(1, CHUNK_ELEMENTS // max(1, lm.config.vocab_size))

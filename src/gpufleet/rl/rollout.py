@@ -372,10 +372,12 @@ def sequence_logprobs(
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
     targets = input_ids[:, completion_start:]
     settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
-    if pack_over is not None and packing.applies(model, eos_token_id, min_new_tokens):
-        packed = packing.logprobs(
-            model, input_ids, attention_mask, completion_start, settings, chunk, pack_over
-        )
+    if (
+        pack_over is not None
+        and packing.saves_over(attention_mask, pack_over)
+        and packing.applies(model, eos_token_id, min_new_tokens)
+    ):
+        packed = packing.logprobs(model, input_ids, attention_mask, completion_start, settings, chunk)
         if packed is not None:
             return packed
 
