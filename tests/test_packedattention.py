@@ -58,6 +58,7 @@ CASES = [
     (6, 2, 128, [200, 3], float("inf")),
     (4, 1, 64, [70, 20, 90], 16),  # a window shorter than most sequences
     (2, 2, 80, [97], 50),
+    (4, 2, 8, [5, 1, 9, 3], 2.5),  # keys j where i - j < 2.5: three
 ]
 
 
@@ -102,3 +103,17 @@ def test_a_sequence_does_not_see_the_next_one():
     other = packed_attention(q, k2, v2.transpose(1, 2), cu, 60, 0.25)
     assert torch.equal(base[:, :7], other[:, :7]) and torch.equal(base[:, 67:], other[:, 67:])
     assert not torch.allclose(base[:, 7:67], other[:, 7:67])
+
+
+def test_what_is_not_one_packed_row_is_refused():
+    q, k, v_rows, cu, _ = _inputs(4, 2, 8, [5, 3])
+    v = v_rows.transpose(1, 2)
+    for bad_cu in ([0, 5, 7], [0, 5, 9], [1, 5, 8], [0, 6, 5, 8]):
+        with pytest.raises(ValueError, match="not one packed row"):
+            packed_attention(q, k, v, torch.tensor(bad_cu, dtype=torch.int32), 5, 0.3)
+    with pytest.raises(ValueError, match="not one packed row"):
+        packed_attention(q[:, :3], k, v, cu, 5, 0.3)  # 3 query heads over 2 key/value heads
+    with pytest.raises(ValueError, match="not one packed row"):
+        packed_attention(q, k, v, cu, 5, 0.3, 0)
+    with pytest.raises(ValueError, match="float32 CPU"):
+        packed_attention(q.double(), k.double(), v.double(), cu, 5, 0.3)

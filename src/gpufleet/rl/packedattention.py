@@ -11,6 +11,8 @@ lengths, ~50 tokens and 64-wide heads, ran at ~20 GFLOP/s)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gpufleet.rl import cpu_kernels
@@ -53,11 +55,29 @@ class _Attention(torch.autograd.Function):
             raise ValueError(f"packed_attention takes float32 CPU tensors, not {q.dtype} on {q.device}")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         cu = cu.to(device="cpu", dtype=torch.int32).contiguous()
-        longest = max(longest, int((cu[1:] - cu[:-1]).max()))  # the scratch is sized by it
         heads, total, d = q.shape[1:]
+        if (
+            q.shape[0] != 1
+            or k.shape != v.shape
+            or k.shape[::2] != q.shape[::2]
+            or heads % k.shape[1]
+            or int(cu[0]) != 0
+            or int(cu[-1]) != total
+            or bool((cu[1:] < cu[:-1]).any())
+            or window < 1
+        ):
+            raise ValueError(
+                f"packed_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, sequences "
+                f"{cu.tolist()} and window {window} are not one packed row of whole heads"
+            )
+        longest = max(longest, int((cu[1:] - cu[:-1]).max()))  # the scratch is sized by it
         out = q.new_empty(total, heads, d)
         lse = q.new_empty(heads, total)
-        ctx.extra = (longest, scale, -1 if window == float("inf") else int(window))
+        ctx.extra = (
+            longest,
+            scale,
+            -1 if window == float("inf") else math.ceil(window),
+        )  # keys i - j < window
         _run("forward", (q, k, v), cu, ctx.extra, _strides(q, k, v, out), (out, lse))
         ctx.save_for_backward(q, k, v, out, lse, cu)
         return out.view(1, total, heads * d)
