@@ -102,8 +102,8 @@ def pass_tokens(model: torch.nn.Module) -> int | None:
 PACK_SHARE = 0.25
 """What packing a micro-batch's rows costs on a CPU (rl/packing.py: the layout, the packed positions,
 the results scattered back to (B, T)) as a share of one more pass (``pass_tokens``): the tiny built-in
-model's `speed` optimizer step took 17.2 vs 16.3 ms packed, saving 58 of 272 positions (best of 10,
-alternating, with the attention's C kernel; before it, with a gather each way around every attention,
+model's `speed` optimizer step took 17.0-17.2 vs 16.3-16.6 ms packed, saving 58 of 272 positions (best
+of 10, alternating, two runs, with the attention's C kernel; before it, with a gather each way around every attention,
 the whole `speed` step took about 4 ms longer packed)."""
 
 
