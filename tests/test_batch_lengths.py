@@ -11,7 +11,7 @@ import torch
 from gpufleet.rl import batch as batch_module
 from gpufleet.rl import trainer
 from gpufleet.rl.batch import GenerationBatch, length_groups, logprobs_of
-from gpufleet.rl.rollout import sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
 from test_trainer import grads_for, make_job
 
 

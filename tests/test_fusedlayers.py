@@ -11,7 +11,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, app
 
 from gpufleet.rl import cpu_kernels, fusedlayers
 from gpufleet.rl.fusedlayers import fused_layers, rms_norm, swiglu
-from gpufleet.rl.rollout import sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
 from test_fastdecode import CONFIGS, VOCAB
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))

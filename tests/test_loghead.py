@@ -10,7 +10,7 @@ import torch
 
 from gpufleet.models import load_causal_lm
 from gpufleet.rl.loghead import causal_lm
-from gpufleet.rl.rollout import sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
 
 
 def gemma2():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpufleet.rl import fusedlayers, packing
-from gpufleet.rl.rollout import sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
 from test_fastdecode import CONFIGS, VOCAB
 from test_fusedlayers import _model
 

@@ -28,8 +28,9 @@ from gpufleet.plan.inference import kv_cache_bytes
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes
 from gpufleet.plan.shape import arch_from_config, count_parameters
 from gpufleet.rl import fusedlayers
+from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.optim import build_optimizer
-from gpufleet.rl.rollout import generate, sequence_logprobs
+from gpufleet.rl.rollout import generate
 
 SHAPES: dict[str, dict] = {
     "qwen2 (GQA 4/2, tied, q/k/v bias)": dict(

@@ -21,8 +21,8 @@ from gpufleet.config.schema import ModelSection, TrainSection
 from gpufleet.launch.torchrun import free_port
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes, with_adapter
 from gpufleet.plan.shape import arch_from_config, count_parameters
+from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.optim import build_optimizer
-from gpufleet.rl.rollout import sequence_logprobs
 from helpers import gloo_done, gloo_rank
 from test_plan_measure import SHAPES, batch, build, storage_bytes
 

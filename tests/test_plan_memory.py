@@ -233,9 +233,9 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
 
 
 def test_chunk_size_mirrors_the_trainer():
-    from gpufleet.rl import rollout
+    from gpufleet.rl import logprobs
 
-    assert LOGPROB_CHUNK_ELEMENTS == rollout._CHUNK_ELEMENTS
+    assert LOGPROB_CHUNK_ELEMENTS == logprobs._CHUNK_ELEMENTS
 
 
 def test_fused_families_mirror_the_trainer():

@@ -10,7 +10,8 @@ import torch
 
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl.rollout import Rollout, generate, left_pad, sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
+from gpufleet.rl.rollout import Rollout, generate, left_pad
 from gpufleet.rl.sampling import next_tokens as _sample
 
 

@@ -69,7 +69,7 @@ GiB = 1024**3
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 24
-"""Mirror of `gpufleet.rl.rollout._CHUNK_ELEMENTS` (a test keeps them equal): logits per log-prob chunk."""
+"""Mirror of `gpufleet.rl.logprobs._CHUNK_ELEMENTS` (a test keeps them equal): logits per log-prob chunk."""
 
 FUSED_LOGPROB_FAMILIES = frozenset({"llama", "gemma", "gemma2"})
 """Families whose classes are in `gpufleet.rl.loghead.FUSED_CLASSES` (a test keeps them in step): their

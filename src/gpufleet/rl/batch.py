@@ -18,7 +18,8 @@ import torch
 
 from gpufleet.parallel import decoder_layers
 from gpufleet.rl import packing
-from gpufleet.rl.rollout import Rollout, sequence_logprobs
+from gpufleet.rl.logprobs import sequence_logprobs
+from gpufleet.rl.rollout import Rollout
 
 
 @dataclass

@@ -13,7 +13,7 @@ logits at a time. It returns (B, T, 2): log-prob and entropy, which the model's 
 ``logits``. The head module itself is called on each chunk, so a LoRA-wrapped or tied head works alike.
 
 Only model classes whose forward does nothing to the logits after the head but soft-capping are
-listed in ``FUSED_CLASSES``; any other model takes the plain path in ``rollout.sequence_logprobs``
+listed in ``FUSED_CLASSES``; any other model takes the plain path in ``logprobs.sequence_logprobs``
 (full logits of the completion, statistics in chunks).
 """
 

@@ -17,7 +17,7 @@ again; the model is called once on it with:
   (``loghead.LogprobHead``) sees only those.
 
 The per-token results come back as (B, T): zero past a row's last attended token (its values there were
-meaningless before too; callers mask them). Used by ``rollout.sequence_logprobs`` where ``applies``: the
+meaningless before too; callers mask them). Used by ``logprobs.sequence_logprobs`` where ``applies``: the
 model runs the fused CPU layers and head; each row's attended tokens are one run that starts in the prompt;
 no EOS is held back for ``min_new_tokens`` (its early positions are counted per row); no MoE router
 logits are asked for (their load-balancing loss reads the attention mask).
@@ -78,7 +78,7 @@ class Packed:
 
 
 def applies(model: torch.nn.Module, eos_token_id: int | None, min_new_tokens: int) -> bool:
-    """Whether ``rollout.sequence_logprobs`` packs for ``model``: the fused CPU layers run every attention
+    """Whether ``logprobs.sequence_logprobs`` packs for ``model``: the fused CPU layers run every attention
     module (``fusedlayers.packs``), the fused head applies, no EOS is held back for ``min_new_tokens``, no
     MoE router logits are asked for, and neither ``GPUFLEET_PACKED`` nor ``GPUFLEET_FUSED_LOGPROBS`` is 0."""
     lm = causal_lm(model)
@@ -149,7 +149,7 @@ def logprobs(
     settings: tuple,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``rollout.sequence_logprobs`` by a packed forward: per-token log-probs and entropies (B, T), or None
+    """``logprobs.sequence_logprobs`` by a packed forward: per-token log-probs and entropies (B, T), or None
     where the rows do not pack (``pack``). ``settings``: (temperature, suppress_tokens, EOS id,
     min_new_tokens); the caller checked ``applies`` and ``saves_over``."""
     packed = pack(input_ids, attention_mask, completion_start)

@@ -1,4 +1,4 @@
-"""Batched sampling with a KV cache, seeded per row, and the log-probs of what was sampled.
+"""Batched sampling with a KV cache, seeded per row.
 
 ``generate`` is a hand-written decode loop over a ``DynamicCache`` rather than ``model.generate``:
 the same tokens for greedy decoding, a little faster (about 1.2x for 32 rows x 32 tokens on
@@ -25,10 +25,7 @@ stream per *row*:
   ``nativeloop.decode``: the same rollout with the per-step bookkeeping in C. Anything else (DDP/FSDP or other wrappers
   included) runs the model's own forward; ``GPUFLEET_FAST_DECODE=0`` forces that path.
 
-``sequence_logprobs`` asks the model for the completion's positions only (``logits_to_keep``) and, for
-the usual decoder classes, swaps the model's output head for ``loghead.LogprobHead`` during the call:
-the head's logits and the float32 temporaries over the vocabulary exist for one chunk of positions at a
-time, recomputed in backward. Other models give their completion logits whole, then chunked statistics.
+``sequence_logprobs`` (the log-probs of what was sampled, for training) is in ``rl/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -38,14 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.rl import nativeloop, packing
+from gpufleet.rl import nativeloop
 from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.fusedlayers import fused_layers
-from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
 from gpufleet.rl.sampling import pick, row_uniforms
-from gpufleet.rl.switches import FUSED_LOGPROBS, switched_off
+from gpufleet.rl.switches import switched_off
 
-__all__ = ["Rollout", "generate", "sequence_logprobs", "left_pad"]
+__all__ = ["Rollout", "generate", "left_pad"]
 
 FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 """Set to 0 to sample through the Hugging Face forward even where ``FastDecoder`` supports the model."""
@@ -53,7 +48,6 @@ FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 
 _DROP_FRACTION = 0.25
 """The fast decoder drops finished rows once this share of the rows it runs are done (> 1: never)."""
-_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
 @dataclass
@@ -335,72 +329,3 @@ def _stepper(
         ).logits[:, -1]
 
     return hf
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    completion_start: int,
-    *,
-    temperature: float = 1.0,
-    chunk: int | None = None,
-    suppress_tokens: Sequence[int] = (),
-    min_new_tokens: int = 0,
-    eos_token_id: int | None = None,
-    pack_over: int | None = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
-
-    Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution);
-    the ``suppress_tokens`` get probability 0, and ``eos_token_id`` before ``min_new_tokens``, as in ``generate``.
-    Gradients flow into the log-probs when called with grad enabled; the entropy is for metrics and
-    carries a gradient too. ``model`` is called once as a whole (so DDP/FSDP wrappers work) with
-    ``logits_to_keep`` covering only the completion. For the models of ``loghead.FUSED_CLASSES`` its
-    head is ``loghead.LogprobHead`` during the call: logits exist ``chunk`` positions at a time only
-    (default: about 16M logits per chunk), each chunk recomputed in backward; for other models (or with
-    ``GPUFLEET_FUSED_LOGPROBS=0``) the completion's logits are made whole and the statistics taken in chunks.
-    On a CPU with the fused layers the rows are packed into one sequence first (``packing``: no padding
-    computed; zero past a row's last attended token) where that computes more than ``pack_over`` fewer
-    positions (None: never). Values at masked positions are computed but meaningless; the caller
-    applies the mask.
-    """
-    batch, length = input_ids.shape
-    steps = length - completion_start
-    if not 0 < completion_start < length:
-        raise ValueError(f"completion_start must be in [1, {length - 1}], got {completion_start}")
-    positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
-    targets = input_ids[:, completion_start:]
-    settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
-    if (
-        pack_over is not None
-        and packing.saves_over(attention_mask, pack_over)
-        and packing.applies(model, eos_token_id, min_new_tokens)
-    ):
-        packed = packing.logprobs(model, input_ids, attention_mask, completion_start, settings, chunk)
-        if packed is not None:
-            return packed
-
-    def forward() -> torch.Tensor:
-        with fused_layers(model):
-            return model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=steps + 1,
-            ).logits
-
-    lm = causal_lm(model) if not switched_off(FUSED_LOGPROBS) else None
-    if lm is not None:
-        size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * lm.config.vocab_size))
-
-        def head(original: torch.nn.Module, softcap: float | None) -> LogprobHead:
-            return LogprobHead(original, targets, size, softcap, settings)
-
-        with fused_head(lm, head):
-            stats = forward()
-        return stats[..., 0], stats[..., 1]
-    logits = forward()[:, :-1]
-    size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
-    return chunked_stats(lambda x: x, logits, targets, size, settings)

@@ -8,7 +8,7 @@ few dozen steps (see ``tasks/repeat.py``). ``never_sampled`` names these tokens 
 tokenizer and the model's config (``parts.build``); ``suppress_logits`` gives them probability exactly 0.
 
 The policy is then the distribution *without* them, everywhere: sampling (``rollout.generate``), the
-trained log-probs, the old log-probs and the reference's (``rollout.sequence_logprobs``), so the
+trained log-probs, the old log-probs and the reference's (``logprobs.sequence_logprobs``), so the
 importance ratio and the KL compare the distribution that was sampled. Suppressing in sampling alone is
 not enough: pad, never sampled, would never be pushed down either, and soaks up the probability mass
 (entropy 2.4 -> 0.05 by step 70 on the quickstart). Hugging Face's ``generate`` does the same with

@@ -34,10 +34,10 @@ from gpufleet.rl.batch import (
 )
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
+from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import completion_token_ids
-from gpufleet.rl.rollout import sequence_logprobs
 
 
 def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
