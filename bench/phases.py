@@ -41,10 +41,11 @@ def phase_table(
     peak: dict,
     goal: float | None = None,
 ) -> list[str]:
-    """Markdown lines: per phase the FLOPs per step, CPU-scaled seconds, GFLOP/s and fraction of peak;
-    then the whole step of each trainer (CPU time per step); then the floor (`floor_lines`)."""
+    """Markdown lines: per phase the FLOPs per step, CPU-scaled seconds (the median over the steps, as the
+    whole step's: a final checkpoint's save, one step of many, shows in neither), GFLOP/s and fraction of
+    peak; then the whole step of each trainer (CPU time per step); then the floor (`floor_lines`)."""
     flops = dict.fromkeys((*PHASES, "total"), 0.0)
-    secs = dict.fromkeys(PHASES, 0.0)
+    secs: dict[str, list[float]] = {ph: [] for ph in PHASES}
     steps = 0
     key = step_key(peak)
     for run in runs:
@@ -54,7 +55,7 @@ def phase_table(
             for k, v in f.items():
                 flops[k] += v
             for ph in PHASES:
-                secs[ph] += run["timing"].get(f"timing/{ph}", [0.0] * (s + 1))[s] * factor
+                secs[ph].append(run["timing"].get(f"timing/{ph}", [0.0] * (s + 1))[s] * factor)
             steps += 1
     after = [r["peak"] for r in (*runs, *trl) if "peak" in r]  # measured after each run (measure.add_peak)
     peak_cpu = max([peak["peak_cpu"], *after])  # a slow moment's measurement is not the machine's peak
@@ -72,7 +73,7 @@ def phase_table(
         "|---|---:|---:|---:|---:|",
     ]
     for ph in PHASES:
-        f, t = flops.get(ph, 0.0) / max(steps, 1), secs[ph] / max(steps, 1)
+        f, t = flops.get(ph, 0.0) / max(steps, 1), med(secs[ph]) if secs[ph] else 0.0
         rate = f / t if t > 0 else 0.0
         frac = f"{rate / peak_cpu:.0%}" if f > 0 else "-"
         lines.append(f"| {ph} | {f / 1e9:.2f} | {t * 1000:.0f} | {rate / 1e9:.1f} | {frac} |")

@@ -96,11 +96,15 @@ def test_logprobs_equal_the_whole_padded_batch(split, monkeypatch):
     else:
         monkeypatch.setenv("GPUFLEET_PACKED", "0")
         assert batch_module.length_cut(model, (None, 0)) == batch_module.pass_tokens(model)
-    calls = []
+    calls, kwargs = [], []
     original = batch_module.sequence_logprobs
-    monkeypatch.setattr(
-        batch_module, "sequence_logprobs", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k)
-    )
+
+    def counted(*a, **k):
+        calls.append(a[1].shape)
+        kwargs.append(k)
+        return original(*a, **k)
+
+    monkeypatch.setattr(batch_module, "sequence_logprobs", counted)
     ours = logprobs_of(model, b, 1.0, 6, contextlib.nullcontext)
     with torch.no_grad():
         whole, _ = sequence_logprobs(model, b.input_ids, b.attention_mask, 3)
@@ -108,6 +112,7 @@ def test_logprobs_equal_the_whole_padded_batch(split, monkeypatch):
     torch.testing.assert_close(ours[valid], whole[valid], rtol=0, atol=1e-5)
     assert torch.isfinite(ours).all()  # past a row's end: meaningless (the mask), but finite
     assert len(calls) > 1 if split else calls == [(6, 12)]
+    assert all(k["entropy"] is False for k in kwargs)  # no-grad passes compute no entropy (as TRL's)
 
 
 def test_gradients_with_length_cut_micro_batches_equal_one_padded_pass(tmp_path, monkeypatch):

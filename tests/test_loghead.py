@@ -124,6 +124,25 @@ def test_no_grad_and_unsupported_class(monkeypatch):
     assert causal_lm(MyLM(model.config)) is None
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_without_entropy_the_same_logprobs(fused, monkeypatch):
+    """``entropy=False`` (the no-grad old / reference passes, TRL's compute_entropy=False): no entropy is
+    computed (no softmax over the vocabulary), and the log-probs are the same bits."""
+    monkeypatch.setenv("GPUFLEET_FUSED_LOGPROBS", "1" if fused else "0")
+    model = MODELS["llama-untied"]()
+    kw = dict(temperature=0.7, suppress_tokens=(0,), min_new_tokens=2, eos_token_id=1, chunk=3)
+    softmaxes = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: softmaxes.append(1) or real(*a, **k))
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(model, *batch(), 5, **kw)
+        assert len(softmaxes) == 3 and entropy.shape == (3, 7)  # one per chunk of 3 of the 7 positions
+        softmaxes.clear()
+        alone, none = sequence_logprobs(model, *batch(), 5, entropy=False, **kw)
+    assert none is None and not softmaxes
+    assert torch.equal(alone, logp)
+
+
 def _wrapped_worker(rank: int, port: int, out: str, wrapper: str) -> None:
     import os
 

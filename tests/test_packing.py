@@ -112,6 +112,19 @@ def test_packed_forward_equals_the_padded_one(kind, monkeypatch):
         )
 
 
+def test_packed_without_entropy_the_same_logprobs(monkeypatch):
+    monkeypatch.setenv("GPUFLEET_PACKED", "1")
+    model = _model("qwen3")
+    calls = []
+    counted = fusedlayers.packed_attention
+    monkeypatch.setattr(fusedlayers, "packed_attention", lambda *a: calls.append(a[4]) or counted(*a))
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(model, *_batch(), 4, temperature=0.7)
+        alone, none = sequence_logprobs(model, *_batch(), 4, temperature=0.7, entropy=False)
+    assert len(calls) == 4 and entropy.shape == (6, 8)  # packed both times
+    assert none is None and torch.equal(alone, logp)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_the_mask_is_the_one_hugging_face_builds_for_packed_positions(window):
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -204,6 +204,7 @@ def logprobs_of(
                 eos_token_id=early[0],
                 min_new_tokens=early[1],
                 pack_over=over,
+                entropy=False,
             )
         out[index, : lp.shape[1]] = lp.float()
     return out

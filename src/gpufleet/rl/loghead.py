@@ -9,8 +9,9 @@ calls its head on them; ``LogprobHead`` then computes, ``chunk`` positions at a 
 Gemma2/3's final soft-capping (switched off in the model's config meanwhile and applied here, in the
 same order of operations), the temperature, the suppressed tokens and the per-token statistics, each
 chunk under ``torch.utils.checkpoint`` when gradients are wanted, so backward recomputes one chunk's
-logits at a time. It returns (B, T, 2): log-prob and entropy, which the model's forward returns as its
-``logits``. The head module itself is called on each chunk, so a LoRA-wrapped or tied head works alike.
+logits at a time. It returns (B, T, 2): log-prob and entropy ((B, T, 1) when no entropy is asked for),
+which the model's forward returns as its ``logits``. The head module itself is called on each chunk, so a
+LoRA-wrapped or tied head works alike.
 
 Only model classes whose forward does nothing to the logits after the head but soft-capping are
 listed in ``FUSED_CLASSES``; any other model takes the plain path in ``logprobs.sequence_logprobs``
@@ -57,17 +58,23 @@ def token_stats(
     temperature: float,
     suppress_tokens: Sequence[int] = (),
     early: tuple[int | None, int, int] = (None, 0, 0),
-) -> tuple[torch.Tensor, torch.Tensor]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` (B, C) and entropy under ``logits`` (B, C, V) / temperature, in float32,
     with the ``suppress_tokens`` at probability 0 (where a target is one, padding after EOS, its log-prob is 0)
-    and ``early`` = (EOS id, first position of the chunk, min_new_tokens): EOS at probability 0 before it."""
+    and ``early`` = (EOS id, first position of the chunk, min_new_tokens): EOS at probability 0 before it.
+    With ``entropy=False`` the entropy is None (TRL's ``compute_entropy=False``: a softmax, a product and a
+    sum over the vocabulary fewer; the log-prob is the same bits)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logits = suppress_early(suppress_logits(logits, suppress_tokens), *early)
     log_z = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
-    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    if entropy:
+        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    else:
+        entropy = None
     if suppress_tokens:  # padding after EOS: masked by the caller, kept finite here
         logp = logp.masked_fill(
             torch.isin(targets, torch.tensor(list(suppress_tokens), device=targets.device)), 0.0
@@ -77,14 +84,17 @@ def token_stats(
 
 def chunked_stats(
     logits_of, source: torch.Tensor, targets: torch.Tensor, chunk: int, settings: tuple
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_stats`` over ``chunk`` positions of ``source`` at a time (``logits_of(piece)`` -> logits),
     each chunk recomputed in backward when ``source`` carries a gradient. ``settings``: (temperature,
-    suppress_tokens, eos_token_id, min_new_tokens)."""
-    temperature, suppress, eos, min_new = settings
+    suppress_tokens, eos_token_id, min_new_tokens, entropy); entropy False: None for the entropies."""
+    temperature, suppress, eos, min_new, with_entropy = settings
 
-    def stats(piece: torch.Tensor, target: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_stats(logits_of(piece), target, temperature, suppress, (eos, start, min_new))
+    def stats(
+        piece: torch.Tensor, target: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        early = (eos, start, min_new)
+        return token_stats(logits_of(piece), target, temperature, suppress, early, with_entropy)
 
     recompute = torch.is_grad_enabled() and source.requires_grad
     logps, entropies = [], []
@@ -93,7 +103,7 @@ def chunked_stats(
         logp, entropy = checkpoint(stats, *piece, use_reentrant=False) if recompute else stats(*piece)
         logps.append(logp)
         entropies.append(entropy)
-    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
 
 
 class LogprobHead(torch.nn.Module):
@@ -101,7 +111,7 @@ class LogprobHead(torch.nn.Module):
 
     Called on the hidden states of the T + 1 kept positions (B, T + 1, H); the last one predicts nothing
     in ``targets`` and is dropped (with ``drop_last=False``, on T positions: a packed forward's, which
-    keeps only the predicting ones). Returns (B, T, 2) float32."""
+    keeps only the predicting ones). Returns (B, T, 2) float32, or (B, T, 1) without entropies."""
 
     def __init__(
         self,
@@ -128,7 +138,7 @@ class LogprobHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         source = hidden[:, :-1] if self.drop_last else hidden
         logp, entropy = chunked_stats(self.logits, source, self.targets, self.chunk, self.settings)
-        return torch.stack([logp, entropy], dim=-1)
+        return torch.stack([logp] if entropy is None else [logp, entropy], dim=-1)
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:

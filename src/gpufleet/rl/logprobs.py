@@ -36,8 +36,11 @@ def sequence_logprobs(
     min_new_tokens: int = 0,
     eos_token_id: int | None = None,
     pack_over: int | None = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``.
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``;
+    with ``entropy=False`` (TRL's ``compute_entropy=False``, for the no-grad old and reference passes) the
+    entropies are None and not computed, the log-probs the same bits.
 
     Logits are divided by ``temperature`` first (as TRL does, so they match the sampling distribution);
     the ``suppress_tokens`` get probability 0, and ``eos_token_id`` before ``min_new_tokens``, as in ``generate``.
@@ -58,7 +61,7 @@ def sequence_logprobs(
         raise ValueError(f"completion_start must be in [1, {length - 1}], got {completion_start}")
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp_(min=0)
     targets = input_ids[:, completion_start:]
-    settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens)
+    settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens, entropy)
     if (
         pack_over is not None
         and packing.saves_over(attention_mask, pack_over)
@@ -87,7 +90,7 @@ def sequence_logprobs(
 
         with fused_head(lm, head):
             stats = forward()
-        return stats[..., 0], stats[..., 1]
+        return stats[..., 0], stats[..., 1] if entropy else None
     logits = forward()[:, :-1]
     size = chunk or max(1, _CHUNK_ELEMENTS // max(1, batch * logits.shape[-1]))
     return chunked_stats(lambda x: x, logits, targets, size, settings)

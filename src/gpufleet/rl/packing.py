@@ -148,10 +148,10 @@ def logprobs(
     completion_start: int,
     settings: tuple,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``logprobs.sequence_logprobs`` by a packed forward: per-token log-probs and entropies (B, T), or None
     where the rows do not pack (``pack``). ``settings``: (temperature, suppress_tokens, EOS id,
-    min_new_tokens); the caller checked ``applies`` and ``saves_over``."""
+    min_new_tokens, entropy); the caller checked ``applies`` and ``saves_over``."""
     packed = pack(input_ids, attention_mask, completion_start)
     if packed is None:
         return None
@@ -164,4 +164,5 @@ def logprobs(
     with fused_head(lm, head), fused_layers(model):
         stats = model(**packed.forward_kwargs()).logits[0]  # (K, 2)
     batch, steps = input_ids.shape[0], input_ids.shape[1] - completion_start
-    return unpack(stats[:, 0], packed, batch, steps), unpack(stats[:, 1], packed, batch, steps)
+    entropy = unpack(stats[:, 1], packed, batch, steps) if stats.shape[1] > 1 else None
+    return unpack(stats[:, 0], packed, batch, steps), entropy
