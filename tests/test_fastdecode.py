@@ -253,6 +253,9 @@ def test_falls_back_when_not_sure_it_is_exact(models):
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert "hooks" in FastDecoder.unsupported_reason(model, 64)
     handle.remove()
+    handle = model.model.embed_tokens.register_forward_hook(lambda *args: None)
+    assert "hooks" in FastDecoder.unsupported_reason(model, 64)
+    handle.remove()
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "autocast" in FastDecoder.unsupported_reason(model, 64)
@@ -274,6 +277,18 @@ def test_falls_back_when_not_sure_it_is_exact(models):
     assert "not Llama" in FastDecoder.unsupported_reason(AutoModelForCausalLM.from_config(gpt2), 64)
     dynamic = LlamaConfig(**_COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     assert "dynamic" in FastDecoder.unsupported_reason(from_config(dynamic), 64)
+
+
+def test_gradient_checkpointing_keeps_the_fast_path():
+    """Gradient checkpointing (on by default for big models) puts transformers' hook on the input
+    embedding that marks its output as requiring grad: no value changes, so the fast path stays (it
+    once fell back to the Hugging Face forward: 5.6 s vs ~1.2 s a rollout of 16 x 256 on an H200)."""
+    model = from_config(CONFIGS["qwen3"]())
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.eval()
+    assert model.model.embed_tokens._forward_hooks  # the hook is there
+    assert FastDecoder.unsupported_reason(model, 64) is None
+    assert compare(model, padded=True) < ATOL
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,7 @@ def _modules_reason(model: torch.nn.Module, cls: dict[str, type]) -> str | None:
     for module, want in expected:
         if type(module) is not want:
             return f"{type(module).__name__} where {want.__name__} was expected (wrapped or replaced)"
-        if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+        if _changed_forward(module):
             return f"{type(module).__name__} has forward hooks or a patched forward"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global forward hooks are registered"
@@ -178,6 +178,23 @@ def _shapes_reason(model: torch.nn.Module, cls: dict[str, type]) -> str | None:
         if model_type == "qwen3" and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             return "q_norm and k_norm have different eps"
     return None
+
+
+_REQUIRE_GRADS_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"
+"""The forward hook transformers puts on the input embedding with gradient checkpointing
+(``activation_checkpointing_enable``): it marks the embedding's output as requiring grad, which changes
+no value, and the fast decoder reads the embedding's weight without calling the module."""
+
+
+def _changed_forward(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward may not be its class's: a pre-hook, a patched forward, or a forward
+    hook other than ``_REQUIRE_GRADS_HOOK``."""
+    hooks = [h for h in module._forward_hooks.values() if not _qualname(h).endswith(_REQUIRE_GRADS_HOOK)]
+    return bool(hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _qualname(hook) -> str:
+    return getattr(hook, "__qualname__", "") or ""
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:
