@@ -140,7 +140,13 @@ def _activations(job, pol, run: Precision, sizes: dict, cpu: bool, env: Mapping[
     """One training micro-batch's activations (memory.py), with a LoRA adapter's when there is one."""
     fused = cpu and not switched_off(FUSED_LAYERS, env)
     acts = train_activations(
-        pol.arch, pol.params, run, checkpointing=job.model.gradient_checkpointing, fused_cpu=fused, **sizes
+        pol.arch,
+        pol.params,
+        run,
+        checkpointing=job.model.gradient_checkpointing,
+        fused_cpu=fused,
+        head_trained=not job.model.use_peft,  # LoRA: the base model's head is frozen
+        **sizes,
     )
     if not job.model.use_peft:
         return acts
