@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpufleet.models import load_causal_lm
+from gpufleet.rl import loghead
 from gpufleet.rl.loghead import causal_lm
 from gpufleet.rl.logprobs import sequence_logprobs
 
@@ -101,8 +102,17 @@ def test_fused_equals_full_logits(name, chunk, monkeypatch):
     head, config = causal_lm(model).lm_head, causal_lm(model).config.to_dict()
     seen: list[int] = []
     hook = head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    linear = torch.nn.functional.linear  # a plain head's weight is applied by loghead._SummedHead
+
+    def counted(x, weight, *rest):
+        if type(head) is torch.nn.Linear and weight is head.weight:
+            seen.append(x.shape[1])
+        return linear(x, weight, *rest)
+
+    monkeypatch.setattr(loghead.F, "linear", counted)
     fused = run(model, True, monkeypatch, chunk)
     hook.remove()
+    monkeypatch.setattr(loghead.F, "linear", linear)
     # the head saw chunks of positions only (forward, then each chunk again in backward)
     assert seen and max(seen) <= (chunk or 7) and sum(seen) == 2 * 7
     assert causal_lm(model).lm_head is head and causal_lm(model).config.to_dict() == config

@@ -46,10 +46,11 @@ Activations of one micro-batch (`train_activations`)
     * Under autocast with fp32 weights, each Linear keeps the bf16 copy of its weight for backward:
       2 bytes x every matmul weight (including the LM head), alive from forward to backward.
     * The backward's working set includes the LM head weight's gradient summed over the log-prob
-      chunks: each chunk's (vocab x hidden, compute dtype) meets the running sum in autograd's buffer and
-      the second sum is made out of place, so three exist at once (one with a single chunk; none with
-      a LoRA adapter's frozen head). For Qwen2.5-0.5B in fp32 that is 1.52 GiB (measured on an H200:
-      the plan 1.62 GiB for the train phase, measured 1.62).
+      chunks (vocab x hidden, compute dtype; none with a LoRA adapter's frozen head): one buffer beside
+      a chunk's working set without autocast (`rl/loghead.py`'s `_SummedHead`); under autocast each
+      chunk's gradient meets autograd's running sum and the first sum is made out of place, so three
+      exist at once (one with a single chunk). Before the buffer an H200 measured the three in fp32:
+      Qwen2.5-0.5B's train phase 1.62 GiB, planned 1.62.
     * Gradient checkpointing (`activation_checkpointing_enable`): each layer keeps only its input
       (h values per token in the residual dtype), the boolean mask is kept once, and backward recomputes
       one layer at a time (Korthikanti's full recomputation: 2sbhL + one layer).
@@ -353,14 +354,16 @@ def train_activations(
     # whole logits: their gradient and the recomputed chunk; chunk by chunk: one chunk's logits, their
     # gradient and the head input's gradient (b, T + 1, h)
     whole = 2 * logits + 4 * chunk * 4 if logits else 2 * chunk_logits + 4 * chunk * 4 + b * c * h * a
-    logits_grad = whole
     layer_grad = tokens * (2 * h * r + 3 * arch.intermediate_size * a) + (layer if checkpointing else 0)
-    # The head weight's gradient from each chunk (vocab x hidden) meets the sum of the chunks before it
-    # in autograd's buffer; at the second chunk the sum is made out of place: three of them at once
-    # (measured on the CPU for 16-64 hidden x 65,536 vocabulary and on an H200, Qwen2.5-0.5B's shapes:
-    # 1.52 GiB of a 1.62 GiB backward, fp32). One with the whole completion in one chunk.
+    # The head weight's gradient (vocab x hidden) over the chunks: without autocast summed in one buffer
+    # (rl/loghead.py's _SummedHead), beside each chunk's working set; under autocast each chunk's meets
+    # autograd's running sum, the first sum made out of place: three at once (measured on an H200 before
+    # the buffer, fp32: 1.52 GiB of a 1.62 GiB backward for Qwen2.5-0.5B; bf16 autocast as planned).
+    weight_grad = params.head_matmul * a if head_trained and not logits else 0
     chunks = 1 if logits else math.ceil(completion_tokens / max(1, chunk // max(1, b * v)))
-    head_grad = ((3 if chunks > 1 else 1) * params.head_matmul * a if head_trained else 0) + b * c * h * a
+    summed = weight_grad if not p.autocast else 0
+    logits_grad = whole + summed
+    head_grad = (3 if chunks > 1 else 1) * (weight_grad - summed) + b * c * h * a
     return Activations(
         layers=layers,
         shared=shared,
