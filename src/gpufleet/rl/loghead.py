@@ -11,7 +11,10 @@ same order of operations), the temperature, the suppressed tokens and the per-to
 chunk under ``torch.utils.checkpoint`` when gradients are wanted, so backward recomputes one chunk's
 logits at a time. It returns (B, T, 2): log-prob and entropy ((B, T, 1) when no entropy is asked for),
 which the model's forward returns as its ``logits``. The head module itself is called on each chunk, so a
-LoRA-wrapped or tied head works alike.
+LoRA-wrapped or tied head works alike; a plain bias-free ``nn.Linear`` head with gradients and no
+autocast is applied as ``F.linear`` with its weight by ``_SummedHead`` instead, which recomputes the
+chunks itself and sums the weight's gradient over them in one buffer (autograd's own sum holds three
+vocab x hidden at once).
 
 Only model classes whose forward does nothing to the logits after the head but soft-capping are
 listed in ``FUSED_CLASSES``; any other model takes the plain path in ``logprobs.sequence_logprobs``
