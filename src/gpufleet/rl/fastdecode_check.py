@@ -189,12 +189,12 @@ no value, and the fast decoder reads the embedding's weight without calling the 
 def _changed_forward(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward may not be its class's: a pre-hook, a patched forward, or a forward
     hook other than ``_REQUIRE_GRADS_HOOK``."""
-    hooks = [h for h in module._forward_hooks.values() if not _qualname(h).endswith(_REQUIRE_GRADS_HOOK)]
+    hooks = [
+        h
+        for h in module._forward_hooks.values()
+        if not getattr(h, "__qualname__", "").endswith(_REQUIRE_GRADS_HOOK)
+    ]
     return bool(hooks or module._forward_pre_hooks or "forward" in module.__dict__)
-
-
-def _qualname(hook) -> str:
-    return getattr(hook, "__qualname__", "") or ""
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:

@@ -86,19 +86,30 @@ def token_stats(
     return logp, entropy
 
 
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, start: int, settings: tuple
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_stats`` of one chunk whose first position is ``start``. ``settings``: (temperature,
+    suppress_tokens, eos_token_id, min_new_tokens, entropy); entropy False: None for the entropies."""
+    temperature, suppress, eos, min_new, with_entropy = settings
+    return token_stats(logits, targets, temperature, suppress, (eos, start, min_new), with_entropy)
+
+
+def stacked(logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+    """(..., 2): log-prob and entropy, or (..., 1) without entropies (what ``LogprobHead`` returns)."""
+    return torch.stack([logp] if entropy is None else [logp, entropy], dim=-1)
+
+
 def chunked_stats(
     logits_of, source: torch.Tensor, targets: torch.Tensor, chunk: int, settings: tuple
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``token_stats`` over ``chunk`` positions of ``source`` at a time (``logits_of(piece)`` -> logits),
-    each chunk recomputed in backward when ``source`` carries a gradient. ``settings``: (temperature,
-    suppress_tokens, eos_token_id, min_new_tokens, entropy); entropy False: None for the entropies."""
-    temperature, suppress, eos, min_new, with_entropy = settings
+    """``chunk_stats`` over ``chunk`` positions of ``source`` at a time (``logits_of(piece)`` -> logits),
+    each chunk recomputed in backward when ``source`` carries a gradient."""
 
     def stats(
         piece: torch.Tensor, target: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        early = (eos, start, min_new)
-        return token_stats(logits_of(piece), target, temperature, suppress, early, with_entropy)
+        return chunk_stats(logits_of(piece), target, start, settings)
 
     recompute = torch.is_grad_enabled() and source.requires_grad
     logps, entropies = [], []
@@ -107,7 +118,7 @@ def chunked_stats(
         logp, entropy = checkpoint(stats, *piece, use_reentrant=False) if recompute else stats(*piece)
         logps.append(logp)
         entropies.append(entropy)
-    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if with_entropy else None
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1) if settings[4] else None
 
 
 class LogprobHead(torch.nn.Module):
@@ -152,8 +163,7 @@ class LogprobHead(torch.nn.Module):
             and not torch.is_autocast_enabled(hidden.device.type)
         ):
             return _SummedHead.apply(source, head.weight, self)
-        logp, entropy = chunked_stats(self.logits, source, self.targets, self.chunk, self.settings)
-        return torch.stack([logp] if entropy is None else [logp, entropy], dim=-1)
+        return stacked(*chunked_stats(self.logits, source, self.targets, self.chunk, self.settings))
 
 
 class _SummedHead(torch.autograd.Function):
@@ -168,16 +178,20 @@ class _SummedHead(torch.autograd.Function):
         ctx.save_for_backward(source, weight)
         ctx.head = head
         with torch.no_grad():
-            logp, entropy = chunked_stats(
-                lambda x: head._capped(F.linear(x, weight)), source, head.targets, head.chunk, head.settings
+            return stacked(
+                *chunked_stats(
+                    lambda x: head._capped(F.linear(x, weight)),
+                    source,
+                    head.targets,
+                    head.chunk,
+                    head.settings,
+                )
             )
-        return torch.stack([logp] if entropy is None else [logp, entropy], dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None]:
         source, weight = ctx.saved_tensors
         head = ctx.head
-        temperature, suppress, eos, min_new, with_entropy = head.settings
         d_source = torch.empty_like(source) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight)
         for start in range(0, source.shape[1], head.chunk):
@@ -185,11 +199,9 @@ class _SummedHead(torch.autograd.Function):
             piece = source[:, start:end]
             raw = F.linear(piece, weight).requires_grad_()  # backward runs without grad: a fresh leaf
             with torch.enable_grad():
-                early = (eos, start, min_new)
-                logp, entropy = token_stats(
-                    head._capped(raw), head.targets[:, start:end], temperature, suppress, early, with_entropy
+                stats = stacked(
+                    *chunk_stats(head._capped(raw), head.targets[:, start:end], start, head.settings)
                 )
-                stats = torch.stack([logp] if entropy is None else [logp, entropy], dim=-1)
                 (d_raw,) = torch.autograd.grad(stats, raw, grad[:, start:end])
             d_weight.addmm_(d_raw.flatten(0, -2).t(), piece.flatten(0, -2))
             if d_source is not None:
