@@ -273,3 +273,79 @@ def test_plan_modules_import_no_torch():
     root = Path(__file__).resolve().parents[1]
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+def test_gradients_are_held_in_train_and_optimizer_step_only():
+    """By hand: a process of weights 10, grads 4 (+ DDP buckets 4), AdamW 8, other 1. Rollout and scoring run
+    without the gradients (the trainer frees them after each optimizer step), the buckets stay; train
+    holds them whole after gradient accumulation, and with one micro-batch on a GPU (`single`) only what
+    the backward's end holds beyond its start: max(activations 6 + working set 2, grads 4 + 2)."""
+    from gpufleet.plan.build import _grads_freed
+    from gpufleet.plan.loads import ProcessLoad
+    from gpufleet.plan.memory import Activations
+
+    acts = Activations(
+        layers=5,
+        shared=0,
+        head=1,
+        logits=0,
+        weight_copies=0,
+        head_weight_copy=0,
+        loss=0,
+        backward=2,
+        checkpointing=False,
+    )
+    assert acts.peak == 8
+    phases = {"train": acts.peak, "rollout": 9, "scoring": 3, "optimizer step": 1}
+
+    def load(single: bool) -> ProcessLoad:
+        return ProcessLoad("policy rank 0", 10, 4 + 4, 8, 1, phases, freed=_grads_freed(4, acts, single))
+
+    accumulated, single = load(False), load(True)
+    assert _grads_freed(4, acts, single=False) == {"rollout": 4, "scoring": 4}
+    assert _grads_freed(4, acts, single=True) == {"rollout": 4, "scoring": 4, "train": 4}
+    assert [accumulated.held(k) for k in phases] == [8 + 8, 9 + 4, 3 + 4, 1 + 8]
+    assert [single.held(k) for k in phases] == [8 + 4, 9 + 4, 3 + 4, 1 + 8]
+    assert accumulated.peak_phase == "train" and accumulated.total == 10 + 8 + 1 + 16
+    assert single.peak_phase == "rollout" and single.total == 10 + 8 + 1 + 13
+    # Gradients larger than the activations: the backward's end is the peak, grads + working set.
+    assert _grads_freed(20, acts, single=True)["train"] == acts.peak - acts.backward == 6
+    # A process without phases or gradients' schedule (a scorer) holds what it has throughout.
+    assert ProcessLoad("scorer", 3, 0, 0, 1, {"scoring": 2}).total == 3 + 1 + 2
+
+
+def test_plan_frees_gradients_in_rollout_and_counts_one_micro_batch_by_its_larger_end(tmp_path):
+    """A real plan (Qwen2.5-0.5B's shapes on a 24 GB GPU): the rollout runs without the gradients; one
+    micro-batch per step holds the larger of its two ends, several hold their sum; on a CPU the trainer
+    may cut a micro-batch by length, so there the gradients stay whole in train."""
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import parse_gpu_spec
+    from gpufleet.plan.search import make_plan
+
+    def process(micro: int, gpus: str = "1x24GB"):
+        sets = [
+            "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+            "data.path=builtin:repeat",
+            "rollout.max_prompt_length=64",
+            "rollout.max_completion_length=256",
+            "train.per_device_batch=16",
+            f"train.micro_batch={micro}",
+            f"output.dir={tmp_path}/run",
+        ]
+        plan, _ = make_plan(load_job(None, sets, env={}), parse_gpu_spec(gpus), {}, choose=False)
+        return plan.devices[0].processes[0]
+
+    one, four = process(16), process(4)
+    grads = one.grads
+    assert grads == 4 * 494_032_768  # fp32 gradients, no DDP buckets on one GPU
+    for p in (one, four):
+        assert p.held("rollout") == p.phases["rollout"] and p.held("scoring") == p.phases["scoring"]
+        assert p.held("optimizer step") == p.phases["optimizer step"] + grads
+    assert four.held("train") == four.phases["train"] + grads
+    saved = one.detail["saved_activations"]
+    backward = one.detail["backward_working_set"]
+    assert one.held("train") == max(one.phases["train"], grads + backward)
+    assert one.phases["train"] - backward >= saved  # the loss terms too
+    assert one.total == one.weights + one.optimizer + one.other + max(map(one.held, one.phases))
+    cpu = process(16, "cpu")
+    assert cpu.held("train") == cpu.phases["train"] + cpu.grads

@@ -121,6 +121,31 @@ def test_train_writes_metrics_samples_and_model(tmp_path):
     assert last["step"] == 3
 
 
+def test_rollout_runs_without_the_gradients(tmp_path, monkeypatch):
+    """The gradients are freed after each optimizer step, so every rollout after the first runs without
+    them (plan/build.py counts rollout and scoring so); they are there again for the step after it."""
+    job = make_job(tmp_path, "train.max_steps=3", "train.learning_rate=1e-3", "algorithm.beta=0.1")
+    seen, real = [], trainer.generation_step
+
+    def generation_step(parts, *args):
+        seen.append(sum(q.grad is not None for q in parts.policy.parameters()))
+        return real(parts, *args)
+
+    steps = []
+    real_step = trainer.optimizer_step
+
+    def optimizer_step(parts, *args):
+        m = real_step(parts, *args)
+        steps.append(sum(q.grad is not None for q in parts.policy.parameters()))
+        return m
+
+    monkeypatch.setattr(trainer, "generation_step", generation_step)
+    monkeypatch.setattr(trainer, "optimizer_step", optimizer_step)
+    trainer.train(job, tmp_path / "run", log=lambda line: None)
+    assert seen == [0, 0, 0]
+    assert len(steps) == 3 and min(steps) > 0
+
+
 def length_reward(prompts, completions, **kw):
     return [len(c) / 8 for c in completions]
 

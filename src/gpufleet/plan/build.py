@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpufleet.config import precision
 from gpufleet.config.load import Resolved
@@ -134,6 +134,8 @@ class Parts:
     """Offload: one policy rank's weights, grads, AdamW states and step temporary in host memory."""
     whole: Whole = Whole(0)
     """The models whole in their load dtypes: what a process briefly holds in host RAM while loading."""
+    grads_freed: dict[str, int] = field(default_factory=dict)
+    """Bytes of the policy's gradients a phase does not hold (`_grads_freed`)."""
 
 
 def _activations(job, pol, run: Precision, sizes: dict, cpu: bool, env: Mapping[str, str]) -> Activations:
@@ -155,6 +157,19 @@ def _activations(job, pol, run: Precision, sizes: dict, cpu: bool, env: Mapping[
     tokens = sizes["batch"] * (sizes["prompt_tokens"] + sizes["completion_tokens"])
     width = adapted_width(_lora_config(pol.arch), job.model)
     return with_adapter(acts, adapter_parameters(job, pol.arch), width, tokens, run)
+
+
+def _grads_freed(grads: int, acts: Activations, single: bool) -> dict[str, int]:
+    """The gradients' bytes each phase runs without: the trainer frees them after each optimizer step
+    (rl/trainer.py), so rollout and scoring hold none (DDP's buckets stay). `single`: one micro-batch per
+    optimizer step on a GPU, whose backward makes the gradients layer by layer as it frees that layer's
+    activations, so its peak is the larger of the two ends, all activations with the backward's working
+    set or all gradients with it, not their sum (on a CPU the trainer may cut a micro-batch in two by
+    length, rl/batch.py, and the second part meets the first's gradients)."""
+    freed = {"rollout": grads, "scoring": grads}
+    if single:
+        freed["train"] = min(grads, acts.peak - acts.backward)
+    return freed
 
 
 def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mapping[str, str]) -> Parts:
@@ -194,9 +209,11 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     ref_gather = (pol.params.root + 2 * pol.params.per_layer) * ref.weight_bytes if sharded_ref else 0
     # Offload: each unit's shard is copied to the GPU for its all-gather (and its grads back).
     staging = math.ceil(units * prec.weight_bytes / lay.shards) if lay.offload else 0
+    acts = _activations(job, pol, run, sizes, hw.is_cpu, env)
     return Parts(
         state=state,
-        acts=_activations(job, pol, run, sizes, hw.is_cpu, env),
+        acts=acts,
+        grads_freed=_grads_freed(state["grads"], acts, single=micro == t.per_device_batch and not hw.is_cpu),
         roll=rollout_bytes(
             pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
         ),
@@ -297,6 +314,7 @@ def policy_process(i: int, parts: Parts, lay: Layout) -> ProcessLoad:
         other=parts.overhead + parts.batch_tensors + parts.gather,
         phases=phases,
         detail=detail,
+        freed=parts.grads_freed,
     )
 
 

@@ -27,12 +27,15 @@ def _dominant_field(d: DeviceLoad) -> str:
 
 
 def breakdown(d: DeviceLoad) -> str:
-    """`weights 7.10 + grads 7.10 + optimizer 14.19 + other 1.02 + the largest phase of activations
-    2.31 / kv cache 0.50 / scoring 0.00 GiB`."""
+    """`weights 7.10 + optimizer 14.19 + other 1.02 + the largest phase of train 9.41 (activations 2.31 +
+    grads 7.10) / rollout 0.50 / scoring 0.00 / optimizer step 7.10 GiB`: each phase with the gradients
+    it holds (plan/loads.py)."""
+    train, grads = d.phase("train"), d.held("train") - d.phase("train")
     return (
-        f"weights {gib(d.weights)} + grads {gib(d.grads)} + optimizer {gib(d.optimizer)} + other {gib(d.other)} "
-        f"+ the largest phase of activations {gib(d.phase('train'))} / kv cache {gib(d.phase('rollout'))} / "
-        f"scoring {gib(d.phase('scoring'))} / optimizer step {gib(d.phase('optimizer step'))} GiB"
+        f"weights {gib(d.weights)} + optimizer {gib(d.optimizer)} + other {gib(d.other)} + the largest phase of "
+        f"train {gib(d.held('train'))} (activations {gib(train)} + grads {gib(grads)}) / rollout "
+        f"{gib(d.held('rollout'))} / scoring {gib(d.held('scoring'))} / optimizer step "
+        f"{gib(d.held('optimizer step'))} GiB"
     )
 
 

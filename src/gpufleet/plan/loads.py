@@ -4,8 +4,10 @@
 
 Per node (GPU plans): the host RAM its processes need (`HostLoad`: offloaded training state or the
 loading peak, plan/host.py), refused when it cannot hold that.
-Per process:  total = weights + grads + optimizer + other + max(train, rollout, scoring, optimizer step)
-(the phases of one RL step follow each other and free their working memory). Processes on one device
+Per process:  total = weights + optimizer + other + the largest of train, rollout, scoring and optimizer
+step, each its working memory plus the gradients it holds (the phases of one RL step follow each other
+and free their working memory; the gradients are made in train and freed after the optimizer step, so
+rollout and scoring run without them, DDP's buckets excepted: `ProcessLoad.freed`). Processes on one device
 add up. A plan *fits* when every device's total is at most its memory, and is *comfortable* with at
 least `HEADROOM` (10%) free on every device (allocator fragmentation, CUDA graphs, kernels' workspaces).
 How the bytes are counted: `build.py`; which layout is chosen: `search.py`. No torch import.
@@ -40,20 +42,27 @@ class ProcessLoad:
     optimizer: int
     other: int
     phases: dict[str, int]
-    """Working memory of each phase; only the largest counts in `total`."""
+    """Working memory of each phase; only the largest, with the gradients it holds, counts in `total`."""
     detail: dict[str, int] = field(default_factory=dict)
+    freed: dict[str, int] = field(default_factory=dict)
+    """Bytes of `grads` a phase runs without (plan/build.py `_grads_freed`); every other phase holds them."""
+
+    def held(self, phase: str) -> int:
+        """A phase's working memory and the gradients it holds."""
+        return self.phases.get(phase, 0) + self.grads - self.freed.get(phase, 0)
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=lambda k: self.phases[k]) if self.phases else "-"
+        return max(self.phases, key=self.held) if self.phases else "-"
 
     @property
     def peak(self) -> int:
-        return max(self.phases.values(), default=0)
+        """The largest phase with the gradients it holds."""
+        return max(map(self.held, self.phases), default=self.grads)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.other + self.peak
+        return self.weights + self.optimizer + self.other + self.peak
 
 
 @dataclass
@@ -92,6 +101,10 @@ class DeviceLoad:
 
     def phase(self, name: str) -> int:
         return sum(p.phases.get(name, 0) for p in self.processes)
+
+    def held(self, name: str) -> int:
+        """Phase `name`'s working memory and the gradients it holds, over the processes."""
+        return sum(p.held(name) for p in self.processes)
 
     @property
     def total(self) -> int:
@@ -143,6 +156,7 @@ class DeviceLoad:
                     "optimizer": p.optimizer,
                     "other": p.other,
                     "phases": dict(p.phases),
+                    "grads_freed": dict(p.freed),
                     "detail": dict(p.detail),
                 }
                 for p in self.processes
@@ -285,7 +299,15 @@ class Plan:
             bad.append(f"{len(placed)} policy processes for {len(self.topo.policy_devices)} policy devices")
         for d in self.devices:
             for p in d.processes:
-                if min(p.weights, p.grads, p.optimizer, p.other, *p.phases.values(), 0) < 0:
+                amounts = (
+                    p.weights,
+                    p.grads,
+                    p.optimizer,
+                    p.other,
+                    *p.phases.values(),
+                    *map(p.held, p.phases),
+                )
+                if min(amounts, default=0) < 0:
                     bad.append(f"negative bytes in {p.role} on {d.label}")
         if bad:
             raise PlanError("inconsistent plan: " + "; ".join(bad))

@@ -72,6 +72,7 @@ def train(
         part = step % t.steps_per_generation
         rows = scored.batch.rows(part * t.per_device_batch, (part + 1) * t.per_device_batch)
         m = optimizer_step(p, rows, opt, autocast)
+        opt.zero_grad(set_to_none=True)  # rollout and scoring run without the gradients (plan/build.py)
         if refsync.due(job, step + 1):
             _sync_reference(p)
         m["learning_rate"] = sched.get_last_lr()[0]

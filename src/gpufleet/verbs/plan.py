@@ -160,8 +160,9 @@ def render_table(
 
 
 LEGEND = (
-    "  total = weights + grads + optimizer + other + the largest phase; the phases of a step follow each "
-    "other and free their memory:\n"
+    "  total = weights + optimizer + other + the largest phase with the grads it holds; the phases of a step "
+    "follow each other and free their memory, the grads are freed after each optimizer step (rollout and "
+    "scoring run without them; one micro-batch's backward makes them as it frees its activations):\n"
     "    activations = training (saved activations, autocast weight copies, logits, backward working set); "
     "kv cache = rollout (KV cache, fast decoder's fused weights, prefill / sampler);\n"
     "    scoring = reference / reward forward; optimizer step = AdamW's temporaries (FSDP). "
