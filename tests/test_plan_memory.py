@@ -349,3 +349,26 @@ def test_plan_frees_gradients_in_rollout_and_counts_one_micro_batch_by_its_large
     assert one.total == one.weights + one.optimizer + one.other + max(map(one.held, one.phases))
     cpu = process(16, "cpu")
     assert cpu.held("train") == cpu.phases["train"] + cpu.grads
+
+
+def test_plan_follows_the_fused_logprobs_switch(tmp_path):
+    """`GPUFLEET_FUSED_LOGPROBS=0` gives the trainer the whole logits (rl/logprobs.py); the plan counts
+    them then, in training and in the reference's scoring."""
+    from gpufleet.config.load import load_job
+    from gpufleet.hardware import parse_gpu_spec
+    from gpufleet.plan.search import make_plan
+
+    sets = ["model.path=Qwen/Qwen2.5-0.5B-Instruct", "data.path=builtin:repeat", "algorithm.beta=0.04"]
+    sets += ["rollout.max_completion_length=512", f"output.dir={tmp_path}/run"]
+    r = load_job(None, sets, env={})
+
+    def process(env):
+        plan, _ = make_plan(r, parse_gpu_spec("1x80GB"), env, choose=False)
+        return plan.devices[0].processes[0]
+
+    fused, whole = process({}), process({"GPUFLEET_FUSED_LOGPROBS": "0"})
+    assert fused.detail["logits"] == 0
+    t = r.job.train
+    rows = min(t.micro_batch or t.per_device_batch, t.per_device_batch)
+    assert whole.detail["logits"] == rows * 513 * 151936 * 4  # fp32 logits of T + 1 positions
+    assert whole.phases["train"] > fused.phases["train"] and whole.phases["scoring"] > fused.phases["scoring"]

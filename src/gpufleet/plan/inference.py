@@ -34,17 +34,19 @@ def logprob_scoring_bytes(
     prompt_tokens: int,
     completion_tokens: int,
     cached_weight_copies: bool,
+    fused_logprobs: bool = True,
 ) -> int:
     """Working memory of a no-grad `sequence_logprobs` call (reference or old log-probs) of `batch` rows.
 
     `cached_weight_copies`: the model's parameters require grad (the policy), so autocast caches a
     low-precision copy of every matmul weight until the autocast block ends; for the frozen reference
-    it casts one weight at a time.
+    it casts one weight at a time. `fused_logprobs`: False with `GPUFLEET_FUSED_LOGPROBS=0` (the whole
+    logits, `memory.logits_bytes`).
     """
     b, s = batch, prompt_tokens + completion_tokens
     a = p.compute_bytes
     layer = inference_layer_bytes_per_token(arch, p, s) * b * s + b * s * s
-    kept, chunk_logits = logits_bytes(arch, a, b, completion_tokens)
+    kept, chunk_logits = logits_bytes(arch, a, b, completion_tokens, fused_logprobs)
     logits = kept or chunk_logits
     # one chunk's float32 logits and logsumexp's exponentials (no entropy in these passes: no softmax or
     # product; 56 MiB less at the peak of a 16-row Qwen2.5-0.5B pass on an H200, one chunk)

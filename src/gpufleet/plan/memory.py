@@ -286,12 +286,15 @@ def chunk_elements(batch: int, positions: int, vocab: int) -> int:
     return batch * min(chunk, positions) * vocab
 
 
-def logits_bytes(arch: Arch, compute_bytes: int, batch: int, completion_tokens: int) -> tuple[int, int]:
+def logits_bytes(
+    arch: Arch, compute_bytes: int, batch: int, completion_tokens: int, fused: bool = True
+) -> tuple[int, int]:
     """(kept, chunk): the logits `sequence_logprobs` holds whole for the batch (0 where the head runs
-    chunk by chunk) and those of one chunk in the compute dtype (x2 with Gemma2's soft-capping)."""
+    chunk by chunk) and those of one chunk in the compute dtype (x2 with Gemma2's soft-capping).
+    `fused`: False with `GPUFLEET_FUSED_LOGPROBS=0`, which gives every family the whole logits."""
     copies = 2 if arch.final_logit_softcap else 1
     chunk = chunk_elements(batch, completion_tokens, arch.vocab_size) * compute_bytes * copies
-    if arch.family in FUSED_LOGPROB_FAMILIES:
+    if fused and arch.family in FUSED_LOGPROB_FAMILIES:
         return 0, chunk
     return batch * (completion_tokens + 1) * arch.vocab_size * compute_bytes * copies, chunk
 
@@ -316,12 +319,14 @@ def train_activations(
     checkpointing: bool,
     fused_cpu: bool = False,
     head_trained: bool = True,
+    fused_logprobs: bool = True,
 ) -> Activations:
     """Activations of one training micro-batch of `batch` sequences (see the module docstring).
     `fused_cpu`: on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its
     norms, SwiGLU and attention fused (rl/fusedlayers.py), which keep less. Counted at full length: its
     rows packed (rl/packing.py) keep only their tokens', no more than this. `head_trained`: the LM head's
-    weight gets a gradient (not with a LoRA adapter's frozen base)."""
+    weight gets a gradient (not with a LoRA adapter's frozen base). `fused_logprobs`: False with
+    `GPUFLEET_FUSED_LOGPROBS=0` (`logits_bytes`)."""
     if batch < 1 or prompt_tokens < 1 or completion_tokens < 1:
         raise ValueError(
             f"batch, prompt_tokens and completion_tokens must be >= 1, got {batch}, {prompt_tokens}, {completion_tokens}"
@@ -346,7 +351,7 @@ def train_activations(
         shared += mask + (0 if arch.family == "gpt2" else tokens * 8)
     else:
         layers = arch.num_layers * layer
-    logits, chunk_logits = logits_bytes(arch, a, b, completion_tokens)
+    logits, chunk_logits = logits_bytes(arch, a, b, completion_tokens, fused_logprobs)
     weight_copies = (params.matmul - params.head_matmul) * a if p.autocast else 0
     head_weight_copy = params.head_matmul * a if p.autocast else 0
     loss = 12 * b * completion_tokens * 4
