@@ -336,6 +336,30 @@ long gpufleet_sample_advance(const float* probs, long n, long vocab, const doubl
     return live;
 }
 
+/* out[c * 16 + r] = src[r][k + c] for r, c in 0..7: an 8 x 8 block of 8 rows, transposed. */
+static void transpose8(const float* const* src, long k, float* out) {
+  __m256 r0 = _mm256_loadu_ps(src[0] + k), r1 = _mm256_loadu_ps(src[1] + k);
+  __m256 r2 = _mm256_loadu_ps(src[2] + k), r3 = _mm256_loadu_ps(src[3] + k);
+  __m256 r4 = _mm256_loadu_ps(src[4] + k), r5 = _mm256_loadu_ps(src[5] + k);
+  __m256 r6 = _mm256_loadu_ps(src[6] + k), r7 = _mm256_loadu_ps(src[7] + k);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(out + 0 * 16, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(out + 1 * 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(out + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(out + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(out + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(out + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(out + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(out + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
 /* Pack `count` weights stacked on their out dimension (weight i: rows[i] x in, row stride in) into
    panels (width / 16, in, 16), zero past the total rows: one pass, 16 rows read in order at a time. */
 void gpufleet_pack(const float* const* weights, const long* rows, int count, long in, long width,
@@ -353,7 +377,13 @@ void gpufleet_pack(const float* const* weights, const long* rows, int count, lon
       if (w < count) row_in_w++;
     }
     float* out = panels + n * in * 16;
-    for (long k = 0; k < in; k++)
+    long k = 0;
+    if (src[15])  /* 16 rows: 8 x 8 blocks transposed in registers (the scalar loop ran at ~6 GB/s) */
+      for (; k + 8 <= in; k += 8) {
+        transpose8(src, k, out + k * 16);
+        transpose8(src + 8, k, out + k * 16 + 8);
+      }
+    for (; k < in; k++)
       for (int j = 0; j < 16; j++) out[k * 16 + j] = src[j] ? src[j][k] : 0.0f;
   }
 }

@@ -242,12 +242,14 @@ class FastDecoder:
         else:
             logits = self._prefill(
                 input_ids[first], attention_mask[first], position_ids[first], max_new_tokens
-            )[inverse]
-            for caches in (self.k_cache, self.v_cache):  # a layer at a time: at most one extra (u-row) layer
+            ).index_select(0, inverse)
+            # a layer at a time: at most one extra (u-row) layer; index_select, not cache[inverse]: on
+            # the CPU 5x faster for these whole-row copies (88 -> 16 us for one small-model layer)
+            for caches in (self.k_cache, self.v_cache):
                 for i, cache in enumerate(caches):
-                    caches[i] = cache[inverse]
+                    caches[i] = cache.index_select(0, inverse)
             if self.key_mask is not None:
-                self.key_mask = self.key_mask[inverse]
+                self.key_mask = self.key_mask.index_select(0, inverse)
         if self.native is not None:
             self.native.bind(self)
         self.graph = GraphStep(self) if GraphStep.wanted(self) else None
@@ -326,10 +328,10 @@ class FastDecoder:
         n = len(rows)
         for caches in (self.k_cache, self.v_cache):
             for i, cache in enumerate(caches):
-                cache[:n] = cache[rows]
+                cache[:n] = cache.index_select(0, rows)
                 caches[i] = cache[:n]
         if self.key_mask is not None:
-            self.key_mask = self.key_mask[rows]
+            self.key_mask = self.key_mask.index_select(0, rows)
 
     def step(self, token: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,) at ``position_ids`` (B,) or (B, 1); return next-token logits (B, V).
