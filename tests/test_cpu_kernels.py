@@ -118,12 +118,36 @@ def python_step(decoder: FastDecoder) -> FastDecoder:
     return decoder
 
 
+@pytest.fixture(scope="module", params=["tiny-qwen2", "head-dim-64", "head-dim-24"])
+def step_model(request, model):
+    """The decode step's attention blocks by head_dim: 64 (the 64-wide output block), 24 (no block of
+    16: one key at a time and the scalar tail), tiny-qwen2's 16."""
+    if request.param == "tiny-qwen2":
+        return model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    head_dim = int(request.param.rsplit("-", 1)[1])
+    config = Qwen2Config(
+        vocab_size=model.config.vocab_size,
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_native_decode_step_equals_the_python_step(model, threads):
+def test_the_native_decode_step_equals_the_python_step(step_model, threads):
     """On CPU the decode step runs in C by default; its logits equal the Python step's within 1e-6 (the
     HF forward's are checked for every family in test_fastdecode.py), the same bits at 1 and 2 threads,
     and the KV cache it writes is the Python step's."""
+    model = step_model
     from gpufleet.rl.rollout import left_pad
     from test_fastdecode import random_prompts
 

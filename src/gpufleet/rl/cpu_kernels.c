@@ -146,18 +146,60 @@ static inline float dot(const float* q, const float* k, int d) {
   return sum;
 }
 
-/* One query head against keys / values 0..length-1 of its key/value head: the scores, their softmax
-   (exp 8 at a time), then out = sum_j p_j v_j with 8 floats of out per register, 32 at a time. */
+/* `dot` of q with 4 keys in a row (k, k + d, ...), for d a multiple of 16: the same two accumulators and
+   sum per key, so the same bits, but 8 independent chains of fused multiply-adds instead of 2. */
+static inline void dot4(const float* q, const float* k, int d, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+  for (int i = 0; i < d; i += 16) {
+    __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+    a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + i), a0);
+    b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + i + 8), b0);
+    a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + d + i), a1);
+    b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + d + i + 8), b1);
+    a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 2 * d + i), a2);
+    b2 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + 2 * d + i + 8), b2);
+    a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 3 * d + i), a3);
+    b3 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + 3 * d + i + 8), b3);
+  }
+  out[0] = hsum8(_mm256_add_ps(a0, b0));
+  out[1] = hsum8(_mm256_add_ps(a1, b1));
+  out[2] = hsum8(_mm256_add_ps(a2, b2));
+  out[3] = hsum8(_mm256_add_ps(a3, b3));
+}
+
+/* out[0 .. 8n-1] = inv * sum_j p[j] v_j[0 .. 8n-1] (v_j = values + j * d), n = 4 or 8 registers of
+   sums, each a chain of fused multiply-adds over j in order (the compiler unrolls the constant n). */
+static inline void weighted_sum(const float* p, const float* values, int d, int length, float inv, const int n,
+                                float* out) {
+  __m256 acc[8];
+  for (int r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
+  for (int j = 0; j < length; j++) {
+    const float* v = values + (long)j * d;
+    __m256 pj = _mm256_set1_ps(p[j]);
+    for (int r = 0; r < n; r++) acc[r] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * r), acc[r]);
+  }
+  __m256 inv8 = _mm256_set1_ps(inv);
+  for (int r = 0; r < n; r++) _mm256_storeu_ps(out + 8 * r, _mm256_mul_ps(acc[r], inv8));
+}
+
+/* One query head against keys / values 0..length-1 of its key/value head: the scores (4 keys at a time),
+   their softmax (exp 8 at a time), then out = sum_j p_j v_j with 8 floats of out per register, 64 (or
+   32) at a time: 8 (4) independent chains over j. Each score and each output is the same sum in the same
+   order whatever the blocking. */
 static void attend(const gf_step* s, const float* q, const float* keys, const float* values,
                    const float* mask, int length, float* out) {
   int d = s->head_dim;
   float scores[length];
   float top = -INFINITY;
-  for (int j = 0; j < length; j++) {
-    scores[j] = dot(q, keys + (long)j * d, d) * s->scaling + (mask ? mask[j] : 0.0f);
+  int j = 0;
+  if (d % 16 == 0)
+    for (; j + 4 <= length; j += 4) dot4(q, keys + (long)j * d, d, scores + j);
+  for (; j < length; j++) scores[j] = dot(q, keys + (long)j * d, d);
+  for (j = 0; j < length; j++) {
+    scores[j] = scores[j] * s->scaling + (mask ? mask[j] : 0.0f);
     if (scores[j] > top) top = scores[j];
   }
-  int j = 0;
+  j = 0;
   __m256 sum8 = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top);
   for (; j + 8 <= length; j += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top8));
@@ -168,22 +210,8 @@ static void attend(const gf_step* s, const float* q, const float* keys, const fl
   for (; j < length; j++) total += (scores[j] = expf(scores[j] - top));
   const float inv = 1.0f / total;
   int i = 0;
-  for (; i + 32 <= d; i += 32) {  /* out[i..i+31] = sum_j p_j v_j[i..i+31], in registers */
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (j = 0; j < length; j++) {
-      const float* v = values + (long)j * d + i;
-      __m256 p = _mm256_set1_ps(scores[j]);
-      a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-      a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-      a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-    }
-    __m256 inv8 = _mm256_set1_ps(inv);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(a0, inv8));
-    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(a1, inv8));
-    _mm256_storeu_ps(out + i + 16, _mm256_mul_ps(a2, inv8));
-    _mm256_storeu_ps(out + i + 24, _mm256_mul_ps(a3, inv8));
-  }
+  for (; i + 64 <= d; i += 64) weighted_sum(scores, values + i, d, length, inv, 8, out + i);
+  for (; i + 32 <= d; i += 32) weighted_sum(scores, values + i, d, length, inv, 4, out + i);
   for (; i < d; i++) {
     float sum = 0.0f;
     for (j = 0; j < length; j++) sum += scores[j] * values[(long)j * d + i];
