@@ -40,10 +40,6 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def last(path: Path) -> dict:
-    return json.loads(path.read_text().splitlines()[-1])
-
-
 def test_the_quickstart_does_what_the_readme_says(tmp_path):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     commands = quickstart_commands()
@@ -53,9 +49,13 @@ def test_the_quickstart_does_what_the_readme_says(tmp_path):
         assert p.returncode == 0, f"{command}\n{p.stdout}\n{p.stderr}"
         assert "Traceback" not in p.stdout + p.stderr
     one, two = tmp_path / "runs" / "quickstart", tmp_path / "runs" / "quickstart-2p"
-    for run_dir in (one, two):  # "the mean reward goes from about 0.01 to 1.3"
-        assert last(run_dir / "metrics.jsonl")["reward"] >= 1.2
-        assert last(run_dir / "metrics.jsonl")["rewards/repeat_letters/mean"] >= 0.9
+    # "the mean reward goes from about 0.01 to 1.3" (1 process); "both runs end with the task learned":
+    # the means of the last 20 steps (one step's mean moves by +-0.03; the runs part on float noise, and
+    # the 2-process one reached 1.21 on this machine)
+    for run_dir, reward in ((one, 1.25), (two, 1.15)):
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[-20:]]
+        assert sum(r["reward"] for r in records) / 20 >= reward, run_dir
+        assert sum(r["rewards/repeat_letters/mean"] for r in records) / 20 >= 0.9, run_dir
     assert (one / "logs" / "rank0.log").is_file() and (two / "logs" / "rank1.log").is_file()
     # The README's Python snippet, run as written on the exported model: each prompt's letter 8 times,
     # then <eos> ("k: 'kkkkkkkk<eos>' 9 tokens"); greedy, 25 of 26 prompts on this machine's run.
