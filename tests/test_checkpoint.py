@@ -186,9 +186,12 @@ def test_kills_during_checkpoint_writes_never_leave_a_partial_latest(tmp_path):
         root = run / "checkpoints"
 
         def writing(root=root, t0=t0) -> bool:  # a temporary checkpoint folder created by this attempt
-            return root.is_dir() and any(
-                d.name.startswith(".tmp-") and d.stat().st_mtime >= t0 for d in root.iterdir()
-            )
+            try:
+                return root.is_dir() and any(
+                    d.name.startswith(".tmp-") and d.stat().st_mtime >= t0 for d in root.iterdir()
+                )
+            except FileNotFoundError:  # renamed into place between the listing and its stat: written
+                return True
 
         # Land the kill in or after the first checkpoint write: wait for a temporary folder, then a random moment.
         wait_for(writing, proc=proc)
