@@ -26,7 +26,9 @@ def test_sparkline_and_bar_by_hand():
     assert sparkline(list(range(100)), width=5) == "▁▃▅▆█"  # means of 0-19, 20-39, ...: 9.5 .. 89.5
     # the whole run, not its last `width` values: a rise early on stays visible
     assert sparkline([0.0] * 10 + [1.0] * 90, width=10) == "▁█████████"
-    assert value_range(list(range(100)), width=5) == "9.5 .. 89.5" and value_range([]) == "-"
+    # the range is the run's own lowest and highest value (the last one included), not the bins' means
+    assert value_range(list(range(100))) == "0 .. 99" and value_range([]) == "-"
+    assert value_range([1.0] * 50 + [0.2]) == "0.2 .. 1"
     assert value_range([0.5, float("nan"), 0.51]) == "0.5 .. 0.51"
     assert bar(0.5, 10) == "█████░░░░░" and bar(1.7, 4) == "████"
 

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from gpufleet.monitor.runfiles import Run, device_series  # noqa: E402
+from gpufleet.monitor.runfiles import Run, device_series, env_server_series  # noqa: E402
 from gpufleet.monitor.timing import PHASES  # noqa: E402
 
 CURVES = (
@@ -99,5 +99,71 @@ def devices(runs: list[Run], path: Path) -> bool:
         ax.set_xlabel("seconds since the first sample")
         ax.grid(alpha=0.3)
     busy.legend(fontsize=8)
+    _save(fig, path)
+    return True
+
+
+def progress(runs: list[Run], path: Path) -> bool:
+    """A launched script's samples and samples/s against the time since its first progress line."""
+    with_points = [r for r in runs if r.launched is not None and r.launched.points]
+    if not with_points:
+        return False
+    fig, (done, rate) = plt.subplots(1, 2, figsize=(13, 4))
+    for run in with_points:
+        pts = run.launched.points
+        t0 = pts[0].t
+        done.plot([p.t - t0 for p in pts], [p.samples for p in pts], label=run.name, linewidth=1.2)
+        pairs = [
+            (b.t - t0, (b.samples - a.samples) / (b.t - a.t))
+            for a, b in zip(pts, pts[1:], strict=False)
+            if b.t > a.t
+        ]
+        rate.plot([x for x, _ in pairs], [y for _, y in pairs], label=run.name, linewidth=1)
+    done.set_title("samples (rank 0's progress lines)")
+    rate.set_title("samples / s")
+    for ax in (done, rate):
+        ax.set_xlabel("seconds since the first progress line")
+        ax.grid(alpha=0.3)
+    done.legend(fontsize=8)
+    _save(fig, path)
+    return True
+
+
+def environment(runs: list[Run], path: Path) -> bool:
+    """An agent run's env/* metrics against the step, and each environment server's CPU% and memory."""
+    keys = list(dict.fromkeys(k for r in runs for k in r.env_keys()))
+    servers = [r for r in runs if env_server_series(r.devices)]
+    if not keys and not servers:
+        return False
+    n = len(keys) + 2 * bool(servers)
+    cols = min(n, 3)
+    fig, axes = plt.subplots(
+        (n + cols - 1) // cols, cols, figsize=(13, 3.3 * ((n + cols - 1) // cols)), squeeze=False
+    )
+    flat = list(axes.flat)
+    for ax, key in zip(flat, keys, strict=False):
+        for run in runs:
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, label=run.name, linewidth=1.2)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    if servers:
+        cpu, mem = flat[len(keys)], flat[len(keys) + 1]
+        for run in servers:
+            t0 = run.devices[0]["t"]
+            tag = f"{run.name} " if len(servers) > 1 else ""
+            for label, pts in env_server_series(run.devices).items():
+                cpu.plot([p[0] - t0 for p in pts], [p[1] for p in pts], label=tag + label, linewidth=1)
+                mem.plot([p[0] - t0 for p in pts], [p[2] / GIB for p in pts], label=tag + label, linewidth=1)
+        cpu.set_title("env server CPU % (100 = one core)")
+        mem.set_title("env server resident memory (GiB)")
+        for ax in (cpu, mem):
+            ax.set_xlabel("seconds since the first sample")
+        cpu.legend(fontsize=8)
+    for ax in flat[n:]:
+        ax.axis("off")
+    for ax in flat[:n]:
+        ax.grid(alpha=0.3)
     _save(fig, path)
     return True

@@ -38,7 +38,9 @@ def fmt_time(seconds: float) -> str:
 
 
 class Progress:
-    """One line per logged step: step/total, reward, KL, completion length, step time, ETA."""
+    """One line per logged step: step/total, reward, KL, completion length, s/step and ETA. The s/step is the
+    mean over the steps since the start (checkpoints and logging included), the rate the ETA uses: the last
+    step alone said 0.78 s/step after 20 steps that took 109 s."""
 
     def __init__(self, total: int, start: int = 0, out: TextIO | None = None):
         self.total, self.start, self.out = total, start, out or sys.stdout
@@ -47,12 +49,13 @@ class Progress:
     def line(self, step: int, m: dict[str, float]) -> str:
         done = step - self.start
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - step) if done else math.inf
+        per_step = elapsed / done if done else m["step_time"]
+        eta = per_step * (self.total - step) if done else math.inf
         width = len(str(self.total))
         return (
             f"step {step:>{width}}/{self.total}  reward {m['reward']:.3f} (sd {m['reward_std']:.3f})  "
             f"kl {m['kl']:.4f}  len {m['completions/mean_length']:.1f}  loss {m['loss']:+.4f}  "
-            f"{m['step_time']:.2f}s/step  elapsed {fmt_time(elapsed)}  eta {fmt_time(eta)}"
+            f"{per_step:.2f}s/step  elapsed {fmt_time(elapsed)}  eta {fmt_time(eta)}"
         )
 
     def print(self, step: int, m: dict[str, float]) -> None:

@@ -4,11 +4,14 @@ as data: URIs; also saved beside it as PNGs) about one run, or several runs over
     gpufleet report runs/quickstart                        # runs/quickstart/report/index.html
     gpufleet report runs/one-rank runs/two-ranks --out cmp # cmp/index.html, the runs' curves overlaid
 
-Sections: a summary per run; curves (reward, KL, length, entropy, step time, tokens/s); where the step's
-time goes (mean per phase, per rank); devices over time (GPU utilisation and memory, or per-rank CPU% and
+Sections: a summary per run; curves (reward, KL, length, entropy, step time, tokens/s); an agent run's
+environment (its env/* metrics, and each environment server's CPU% and memory); where the step's time
+goes (mean per phase, per rank); devices over time (GPU utilisation and memory, or per-rank CPU% and
 RSS) and each device's mean and peak, on every node (`node1:gpu0` on a run over several); plan vs
 measured peak memory per rank; the warnings the run printed; each run's resolved job with the source of
-every value (its job.yaml). No script, no external resource: it opens offline.
+every value (its job.yaml). A `gpufleet launch`ed script instead has its progress (samples and samples/s
+over time, from its progress lines), its resolved launch (command, processes, recipe, GPUFLEET_*
+variables: launch.json) and each rank's last line. No script, no external resource: it opens offline.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpufleet.monitor.runfiles import Run, device_series, load_run
+from gpufleet.monitor.launched import Launched
+from gpufleet.monitor.runfiles import Run, device_series, env_server_series, load_run
 from gpufleet.paths import user_path
 
 GIB = 1024**3
@@ -43,6 +47,8 @@ def write_report(run_dirs: Sequence[str], out: str | None = None) -> Path:
     images: list[tuple[str, str, Path]] = []
     for name, title, draw in (
         ("curves.png", "Curves", figures.curves),
+        ("progress.png", "Progress of the launched script", figures.progress),
+        ("environment.png", "Environment", figures.environment),
         ("timing.png", "Where the step's time goes", figures.timing_breakdown),
         ("devices.png", "Devices over time", figures.devices),
     ):
@@ -76,14 +82,69 @@ def _summary(run: Run) -> list[object]:
     m = run.metrics
     last = m[-1] if m else {}
     mean = lambda k: statistics.fmean(x[k] for x in m if k in x) if any(k in x for x in m) else "-"  # noqa: E731
+    if run.launched is not None:  # a launched script: its progress lines, no metrics
+        ln = run.launched
+        total = ln.total_samples
+        rate = ln.rate()
+        done = f"{ln.samples} samples" + (f" of {total}" if total else "")
+        return [run.name, done, "-", "-", "-" if rate is None else f"{rate:.4g} samples/s", _hardware(run)]
     return [
         run.name,
         int(last.get("step", 0)),
         float(last.get("reward", float("nan"))) if last else "-",
         mean("step_time"),
-        mean("tokens_per_s"),
-        run.plan.get("hardware", "-"),
+        "-" if mean("tokens_per_s") == "-" else f"{mean('tokens_per_s'):.4g} tokens/s",
+        run.plan.get("hardware") or _hardware(run),
     ]
+
+
+def _hardware(run: Run) -> str:
+    """What the devices files saw: the GPUs' names, or the CPU and its ranks."""
+    gpus = {
+        (rec.get("node", 0), g["index"]): g.get("name", "GPU")
+        for rec in run.devices
+        for g in rec.get("gpus", [])
+    }
+    if gpus:
+        names = sorted(set(gpus.values()))
+        return f"{len(gpus)} x {' / '.join(names)}"
+    ranks = {(rec.get("node", 0), x["rank"]) for rec in run.devices for x in rec.get("ranks", [])}
+    return f"CPU, {len(ranks)} rank{'s' * (len(ranks) != 1)}" if ranks else "-"
+
+
+def env_rows(run: Run) -> list[list[object]]:
+    """Per environment server: mean CPU %, peak memory GiB, samples."""
+    return [
+        [run.name, label, statistics.fmean(p[1] for p in pts), max(p[2] for p in pts) / GIB, len(pts)]
+        for label, pts in env_server_series(run.devices).items()
+    ]
+
+
+def _launched(run: Run, ln: Launched) -> list[str]:
+    """A launched script's resolved launch (launch.json), how it ended, and each rank's last line."""
+    parts = [f"<h2 id='launch-{html.escape(run.name)}'>Launched script: {html.escape(run.name)}</h2>"]
+    if ln.launch:
+        started = ln.launch.get("started")
+        rows = [
+            ["command", ln.command()],
+            ["processes", f"{ln.launch.get('nproc', '?')} per node x {ln.launch.get('nnodes', 1)} node(s)"],
+        ]
+        rows += [["started", str(started)]] if started is not None else []
+        env = ln.launch.get("env") or {}
+        rows += [[k, str(v)] for k, v in env.items()] if isinstance(env, dict) else []
+        parts.append(_table(["", ""], rows))
+        if ln.recipe_rows():
+            parts.append("<h3>Recipe</h3>" + _table(["", "reference", "now"], ln.recipe_rows()))
+    else:
+        parts.append("<p class='muted'>no launch.json in this run folder (gpufleet launch writes it)</p>")
+    failed = ln.failed()
+    if failed:
+        parts.append(f"<p class='warn'>failed: {html.escape(failed)}</p>")
+    parts.append("<h3>Each rank's last line</h3>")
+    parts.append(
+        _table(["rank", "last line (logs/rank<R>.log)"], [[str(r), x] for r, x in ln.last_lines.items()])
+    )
+    return parts
 
 
 def device_rows(run: Run) -> list[list[object]]:
@@ -123,17 +184,28 @@ def _page(runs: list[Run], images: list[tuple[str, str, Path]]) -> str:
         f"<h1>gpufleet report: {html.escape(names)}</h1>",
         "<h2 id='summary'>Summary</h2>",
         _table(
-            ["run", "steps", "last reward", "mean step time (s)", "mean tokens/s", "hardware"],
+            ["run", "steps", "last reward", "mean step time (s)", "throughput", "hardware"],
             [_summary(r) for r in runs],
         ),
     ]
+    for r in runs:
+        if r.launched is not None:
+            parts += _launched(r, r.launched)
     for name, title, path in images:
         parts += [f"<h2>{html.escape(title)}</h2>", _img(path, title), f"<p class='muted'>{name}</p>"]
     devices = [row for r in runs for row in device_rows(r)]
     if devices:
         parts.append("<h2 id='devices'>Devices</h2>")
         parts.append(_table(["run", "device", "mean busy %", "peak memory GiB", "samples"], devices))
+    servers = [row for r in runs for row in env_rows(r)]
+    if servers:
+        parts.append("<h2 id='env-servers'>Environment servers</h2>")
+        parts.append(
+            _table(["run", "server", "mean CPU % (100 = one core)", "peak RSS GiB", "samples"], servers)
+        )
     rows = [row for r in runs for row in plan_rows(r)]
+    if all(r.launched is not None for r in runs):  # launched scripts have no plan: skip to the warnings
+        return _tail(runs, parts)
     parts.append("<h2 id='plan'>Plan vs measured peak memory</h2>")
     parts.append(
         _table(["run", "rank", "role", "device", "planned GiB", "measured GiB", "measured / planned"], rows)
@@ -144,6 +216,11 @@ def _page(runs: list[Run], images: list[tuple[str, str, Path]]) -> str:
         "<p class='muted'>measured: CUDA max allocated on a GPU (the plan also counts the CUDA context), "
         "the process's peak RSS on the CPU.</p>"
     )
+    return _tail(runs, parts)
+
+
+def _tail(runs: list[Run], parts: list[str]) -> str:
+    """The warnings and each trained run's resolved job; the page's end."""
     said = [(r.name, w) for r in runs for w in r.warnings]
     parts.append("<h2 id='warnings'>Warnings</h2>")
     parts.append(
@@ -154,6 +231,8 @@ def _page(runs: list[Run], images: list[tuple[str, str, Path]]) -> str:
         or "<p class='muted'>none</p>"
     )
     for r in runs:
+        if r.launched is not None:  # its resolved launch is above; a launched script has no job.yaml
+            continue
         parts.append(f"<h2>Resolved job: {html.escape(r.name)}</h2>")
         parts.append(f"<pre>{html.escape(r.job_yaml or '(no job.yaml)')}</pre>")
     parts.append("</body></html>")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet.errors import UserError
+from gpufleet.monitor.launched import Launched, read_launched
 from gpufleet.paths import user_path
 
 
@@ -102,6 +103,42 @@ def device_series(records: list[dict]) -> dict[str, list[tuple[float, float, flo
     return out
 
 
+def env_server_series(records: list[dict]) -> dict[str, list[tuple[float, float, float]]]:
+    """label -> [(t, CPU %, RSS bytes)] per environment server (an agent run's `env_servers`)."""
+    multi = several_nodes(records)
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for rec in records:
+        for x in rec.get("env_servers", []):
+            label = device_label("env server", x["index"], rec.get("node", 0), multi)
+            out.setdefault(label, []).append((rec["t"], x["cpu_percent"], x["rss"]))
+    return out
+
+
+def ended(records: list[dict]) -> bool:
+    """The sampler saw the ranks run and its newest record of every node finds none alive (the run is
+    over: its last samples are of processes that exited, 0% and 0 bytes)."""
+    if not any(x.get("pids") for rec in records for x in rec.get("ranks", [])):
+        return False
+    return not any(x.get("pids") for rec in latest_by_node(records) for x in rec.get("ranks", []))
+
+
+def peaks(records: list[dict]) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """(node, "gpu" or "rank", index) -> (peak busy %, peak bytes) over the samples of live processes."""
+    out: dict[tuple[int, str, int], tuple[float, float]] = {}
+
+    def keep(key, busy, used) -> None:
+        old = out.get(key, (0.0, 0.0))
+        out[key] = (max(old[0], busy or 0), max(old[1], used or 0))
+
+    for rec in records:
+        node, live = rec.get("node", 0), [x for x in rec.get("ranks", []) if x.get("pids")]
+        for x in live:
+            keep((node, "rank", x["rank"]), x["cpu_percent"], x["rss"])
+        for g in rec.get("gpus", []) if live else []:
+            keep((node, "gpu", g["index"]), g.get("util"), g.get("mem_used"))
+    return out
+
+
 @dataclass
 class Run:
     """One run directory's monitoring files."""
@@ -112,6 +149,8 @@ class Run:
     warnings: list[dict] = field(default_factory=list)
     plan: dict = field(default_factory=dict)
     job_yaml: str = ""
+    launched: Launched | None = None
+    """A `gpufleet launch`ed script's files (launched.py); None for a `gpufleet train` run."""
 
     @property
     def name(self) -> str:
@@ -121,6 +160,13 @@ class Run:
         """(steps, values) of one metric over the run (steps that lack it are skipped)."""
         pts = [(int(m["step"]), float(m[key])) for m in self.metrics if key in m and "step" in m]
         return [s for s, _ in pts], [v for _, v in pts]
+
+    def env_keys(self) -> list[str]:
+        """The env/* metrics of an agent run (the environment's own numbers), in order of appearance."""
+        keys: dict[str, None] = {}
+        for m in self.metrics:
+            keys.update((k, None) for k in m if k.startswith("env/"))
+        return list(keys)
 
     @property
     def several_nodes(self) -> bool:
@@ -140,9 +186,13 @@ def load_run(path: str | Path) -> Run:
     p = user_path(path)
     if not p.is_dir():
         raise UserError(f"{path} is not a folder.", fix="pass a run directory (the job's output.dir)")
-    if not (p / "metrics.jsonl").exists() and not device_files(p):
+    has_metrics = (p / "metrics.jsonl").exists()
+    trained = has_metrics or (p / "job.yaml").exists()  # `gpufleet train` writes both
+    launched = read_launched(p) if (p / "launch.json").exists() or not trained else None
+    if not has_metrics and launched is None and not device_files(p):
         raise UserError(
-            f"{path} holds no metrics.jsonl or devices.jsonl: not a gpufleet run directory (yet).",
+            f"{path} holds no metrics.jsonl or devices.jsonl (nor a launched script's launch.json or "
+            "logs/): not a gpufleet run directory (yet).",
             fix="pass the job's output.dir, e.g. runs/quickstart",
         )
     try:
@@ -160,6 +210,7 @@ def load_run(path: str | Path) -> Run:
         read_jsonl(p / "warnings.jsonl"),
         plan,
         job_yaml,
+        launched,
     )
 
 

@@ -3,10 +3,14 @@
     gpufleet watch runs/quickstart            # refreshes every second; Ctrl-C leaves
     gpufleet watch runs/quickstart --once     # print the view once (scripts, CI logs)
 
-It reads only the run directory (metrics.jsonl, every node's devices file, warnings.jsonl, job.yaml), so it works
-from another terminal, another machine on a shared file system, or after the run: step / max steps and
-ETA; sparklines of reward, KL and completion length; per device (GPU utilisation and memory, or per
-rank CPU% and resident memory) bars; per rank the last step time and its slowest phase; the last warning.
+It reads only the run directory (metrics.jsonl, every node's devices file, warnings.jsonl, job.yaml; for
+a `gpufleet launch`ed script launch.json and logs/), so it works from another terminal, another machine
+on a shared file system, or after the run. A `train` run: step / max steps, s/step and ETA; sparklines of
+reward, KL and completion length (and an agent run's env/* metrics); per device (GPU utilisation and
+memory, or per rank CPU% and resident memory) bars, and each environment server's CPU% and memory; per
+rank the last step time and its slowest phase; the last warning. A launched script: samples, samples/s,
+progress and ETA from its progress lines, the command and recipe, the devices, each rank's last line.
+A run that has ended shows each device's peak over the run instead of the sample taken after the exit.
 """
 
 from __future__ import annotations
@@ -18,8 +22,19 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from gpufleet.monitor.launched import Launched
 from gpufleet.monitor.metrics import fmt_time
-from gpufleet.monitor.runfiles import Run, device_label, gpu_ranks, latest_by_node, load_run, max_steps
+from gpufleet.monitor.runfiles import (
+    Run,
+    device_label,
+    ended,
+    env_server_series,
+    gpu_ranks,
+    latest_by_node,
+    load_run,
+    max_steps,
+    peaks,
+)
 from gpufleet.monitor.timing import PHASES
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -48,10 +63,11 @@ def sparkline(values: list[float], width: int = 40) -> str:
     return "".join(SPARKS[min(int((v - lo) / span * (len(SPARKS) - 1) + 0.5), len(SPARKS) - 1)] for v in vals)
 
 
-def value_range(values: list[float], width: int = 40) -> str:
-    """`low .. high` of what `sparkline` draws (its lowest and highest block), so a flat-looking or a
-    jumpy curve can be read: 0.49 .. 0.51 is not 0 .. 1."""
-    vals = squeeze(values, width)
+def value_range(values: list[float]) -> str:
+    """`low .. high` of the whole series (every finite value, the last one included; the sparkline's
+    blocks are means of runs of values), so a flat-looking or a jumpy curve can be read: 0.49 .. 0.51 is
+    not 0 .. 1."""
+    vals = [v for v in values if math.isfinite(v)]
     return f"{min(vals):.4g} .. {max(vals):.4g}" if vals else "-"
 
 
@@ -63,16 +79,41 @@ def bar(fraction: float, width: int = 20) -> str:
 
 
 def _header(run: Run) -> Text:
+    if run.launched is not None:
+        return _launched_header(run, run.launched)
     last = run.metrics[-1] if run.metrics else {}
     step, total = int(last.get("step", 0)), max_steps(run)
     recent = [m["step_time"] for m in run.metrics[-10:] if "step_time" in m]
     per_step = sum(recent) / len(recent) if recent else math.nan
     done = (run.path / "final").exists() or (total is not None and step >= total)
     eta = "finished" if done else f"eta {fmt_time(per_step * ((total or step) - step))}"
-    return Text(
-        f"{run.name}  step {step}/{total or '?'}  {per_step:.2f}s/step  {eta}",
-        style="bold",
-    )
+    return Text(f"{run.name}  step {step}/{total or '?'}  {per_step:.2f}s/step  {eta}", style="bold")
+
+
+def _launched_header(run: Run, ln: Launched) -> Text:
+    """samples (of the recipe's total), samples/s over the newest progress lines, ETA or how it ended."""
+    total, rate = ln.total_samples, ln.rate()
+    if not ln.points:
+        return Text(
+            f"{run.name}  launched script  no progress lines yet (rank 0 prints them with "
+            "gpufleet.progress.report(samples), or set script.progress_regex)",
+            style="bold",
+        )
+    done = f"samples {ln.samples}" + (f"/{total} ({ln.samples / total:.0%})" if total else "")
+    speed = f"{rate:.4g} samples/s" if rate is not None else "? samples/s"
+    failed = ln.failed()
+    if failed:
+        end = f"failed: {failed}"
+    elif (total and ln.samples >= total) or ended(run.devices):
+        end = "finished"
+    else:
+        eta = ln.eta_s()
+        end = f"eta {fmt_time(eta)}" if eta is not None else "eta ? (launch.json gives no max steps)"
+    return Text(f"{run.name}  launched script  {done}  {speed}  {end}", style="bold")
+
+
+def _row(t: Table, name: str, values: list[float]) -> None:
+    t.add_row(name, f"{values[-1]:.4g}" if values else "-", sparkline(values), value_range(values))
 
 
 def _curves(run: Run) -> Table:
@@ -81,15 +122,30 @@ def _curves(run: Run) -> Table:
     t.add_column("last", justify="right")
     t.add_column("history (whole run)")
     t.add_column("low .. high")
+    if run.launched is not None:
+        pts = run.launched.points
+        rates = [
+            (b.samples - a.samples) / (b.t - a.t) for a, b in zip(pts, pts[1:], strict=False) if b.t > a.t
+        ]
+        _row(t, "samples/s", rates)
+        return t
     for key, name in (("reward", "reward"), ("kl", "kl"), ("completions/mean_length", "length")):
-        _, values = run.series(key)
-        t.add_row(name, f"{values[-1]:.4g}" if values else "-", sparkline(values), value_range(values))
+        _row(t, name, run.series(key)[1])
+    for key in run.env_keys():  # an agent run: what the environment says
+        _row(t, key, run.series(key)[1])
     return t
 
 
 def _devices(run: Run) -> Table:
-    """The newest sample of every node's devices (labels carry the node on a run over several)."""
-    t = Table(title="devices", title_justify="left", show_edge=False)
+    """The newest sample of every node's devices (labels carry the node on a run over several); once
+    the run has ended, each device's peak over the run."""
+    over = ended(run.devices)
+    top = peaks(run.devices) if over else {}
+    t = Table(
+        title="devices" + (" (ended: peaks over the run)" if over else ""),
+        title_justify="left",
+        show_edge=False,
+    )
     t.add_column("device")
     t.add_column("busy")
     t.add_column("memory")
@@ -98,21 +154,30 @@ def _devices(run: Run) -> Table:
         node = rec.get("node", 0)
         roles = {x["rank"]: x["role"] for x in rec.get("ranks", [])}
         for g in rec.get("gpus", []):
-            who = gpu_ranks(g, roles)
-            used, total = g.get("mem_used") or 0, g.get("mem_total") or 1
+            util, used = g.get("util") or 0, g.get("mem_used") or 0
+            util, used = top.get((node, "gpu", g["index"]), (util, used)) if over else (util, used)
+            total = g.get("mem_total") or 1
             t.add_row(
-                f"{device_label('GPU', g['index'], node, multi)} {who}",
-                f"{bar((g.get('util') or 0) / 100)} {g.get('util') or 0:>3}%",
+                f"{device_label('GPU', g['index'], node, multi)} {gpu_ranks(g, roles)}",
+                f"{bar(util / 100)} {util:>3.0f}%",
                 f"{bar(used / total)} {used / GIB:.1f}/{total / GIB:.1f} GiB",
             )
-        if not rec.get("gpus"):
-            for x in rec.get("ranks", []):
-                t.add_row(
-                    f"{device_label('rank', x['rank'], node, multi)} {x['role']}",
-                    f"{bar(x['cpu_percent'] / 100)} {x['cpu_percent']:>5.0f}% cpu",
-                    f"{x['rss'] / GIB:.2f} GiB rss",
-                )
+        for x in rec.get("ranks", []) if not rec.get("gpus") else []:
+            cpu, rss = top.get((node, "rank", x["rank"]), (0, 0)) if over else (x["cpu_percent"], x["rss"])
+            t.add_row(
+                f"{device_label('rank', x['rank'], node, multi)} {x['role']}",
+                f"{bar(cpu / 100)} {cpu:>5.0f}% cpu",
+                f"{rss / GIB:.2f} GiB rss",
+            )
+    _env_servers(t, run, over)
     return t
+
+
+def _env_servers(t: Table, run: Run, over: bool) -> None:
+    """An agent run's environment servers: CPU% and memory now (their peaks once the run has ended)."""
+    for label, points in env_server_series(run.devices).items():
+        cpu, rss = (max(p[1] for p in points), max(p[2] for p in points)) if over else points[-1][1:]
+        t.add_row(label, f"{bar(cpu / 100)} {cpu:>5.0f}% cpu", f"{rss / GIB:.2f} GiB rss")
 
 
 def _ranks(run: Run) -> Table:
@@ -133,8 +198,41 @@ def _ranks(run: Run) -> Table:
     return t
 
 
+def _launch(ln: Launched) -> Table:
+    """The resolved launch (launch.json): command, processes, recipe, the GPUFLEET_* variables."""
+    t = Table(title="launch", title_justify="left", show_edge=False, show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    if not ln.launch:
+        t.add_row("launch.json", "not in the run folder (written by gpufleet launch)")
+        return t
+    t.add_row("command", ln.command())
+    t.add_row("processes", f"{ln.launch.get('nproc', '?')} per node x {ln.launch.get('nnodes', 1)} node(s)")
+    for name, ref, now in ln.recipe_rows():
+        t.add_row(name, f"{now}  (reference {ref})" if ref != "-" else now)
+    env = ln.launch.get("env") or {}
+    ours = {k: v for k, v in env.items() if k.startswith("GPUFLEET_")} if isinstance(env, dict) else {}
+    if ours:  # the values the script reads (the report lists every variable set)
+        t.add_row("env", " ".join(f"{k}={v}" for k, v in ours.items()))
+    return t
+
+
+def _rank_lines(ln: Launched, width: int = 100) -> Table:
+    """Each rank's last line of output (logs/rank<R>.log)."""
+    t = Table(title="ranks (last line)", title_justify="left", show_edge=False)
+    t.add_column("rank")
+    t.add_column("last line")
+    for rank, line in ln.last_lines.items():
+        line = line or "(no output yet)"
+        t.add_row(str(rank), line if len(line) <= width else line[: width - 1] + "…")
+    return t
+
+
 def render(run: Run) -> Group:
     """The whole view of a run as it is now."""
+    if run.launched is not None:
+        ln = run.launched
+        return Group(_header(run), _curves(run), _launch(ln), _devices(run), _rank_lines(ln))
     warning = run.warnings[-1] if run.warnings else None
     last = (
         Text(f"warning (step {warning['step']}): {warning['text']}", style="yellow") if warning else Text("")
