@@ -174,18 +174,6 @@ def test_example_yaml_files_load(capsys):
         yaml.safe_load(path.read_text())
 
 
-def test_readme_reference_is_current():
-    from pathlib import Path
-
-    from gpufleet.config.reference import markdown
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- reference:start -->")[1].split("<!-- reference:end -->")[0]
-    assert block.strip() == markdown().strip(), (
-        "run: python -m gpufleet.config.reference and paste into README.md"
-    )
-
-
 def test_none_is_a_choice_where_the_field_has_one(tmp_path):
     """`--set algorithm.scale_rewards=none` (or the env variable) is the choice "none", not a null the preset
     then fills with "group"; elsewhere "none" is still null."""

@@ -1,5 +1,5 @@
-"""TRL's option names in a job file: the key is reported with gpufleet's field for it (the README's "Coming
-from TRL" map, `gpufleet.config.trl`), or as having no equivalent, never with a wrong "did you mean"; and
+"""TRL's option names in a job file: the key is reported with gpufleet's field for it (the guide's "Coming
+from TRL" map, docs/trl.md, `gpufleet.config.trl`), or as having no equivalent, never with a wrong "did you mean"; and
 fields that have no effect in a job (env: without an env, script: in a trainer job) are warned about.
 Through the installed `gpufleet` from a folder outside the repository, with the user's own job.yaml."""
 
@@ -16,16 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_trl_rows() -> list[tuple[str, str]]:
-    """(TRL cell, gpufleet cell) of every row of the README's "Coming from TRL" table."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = text.split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    """(TRL cell, gpufleet cell) of every row of the guide's "Coming from TRL" table (docs/trl.md)."""
+    text = (ROOT / "docs" / "trl.md").read_text(encoding="utf-8")
+    block = text.split("# Coming from TRL", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in block.splitlines():
         if not line.startswith("| ") or line.startswith(("| TRL 1.16", "|---")):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         rows.append((cells[0], cells[1]))
-    assert len(rows) > 40, "the README's TRL map was not found"
+    assert len(rows) > 40, "the TRL map in docs/trl.md was not found"
     return rows
 
 
