@@ -6,7 +6,7 @@
     python3 bench/decode_speed.py --device cuda --shapes 16x64 --group 8    # GPU: wall time per call
     python3 bench/decode_speed.py --device cuda --models qwen2.5-0.5b --shapes 16x64 --group 8 --vs graphs
 
-``--vs torch`` compares the fast path with its CPU kernels (``rl/cpu_kernels.c``: the decode step in C)
+``--vs torch`` compares the fast path with its CPU kernels (``engine/cpu_kernels.c``: the decode step in C)
 against the same fast path as torch ops (``GPUFLEET_CPU_KERNELS=0``) instead of against the HF forward;
 ``--vs graphs`` (GPU) the fast path with its decode step replayed as a CUDA graph against the same path
 run eagerly (``GPUFLEET_CUDA_GRAPHS=0``).
@@ -34,12 +34,12 @@ from dataclasses import replace
 import torch
 from measure import BENCH_MODELS, PRESETS, model_folder
 
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.graphdecode import GRAPHS_ENV
+from gpufleet.engine.rollout import FAST_DECODE_ENV, generate
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.graphdecode import GRAPHS_ENV
-from gpufleet.rl.rollout import FAST_DECODE_ENV, generate
 
 
 def prompts(rows: int, lengths: tuple[int, int] = (8, 24), group: int = 1, seed: int = 0) -> list[list[int]]:

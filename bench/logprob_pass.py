@@ -21,8 +21,8 @@ import time
 import torch
 from measure import PRESETS, model_folder
 
+from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.models import load_causal_lm
-from gpufleet.rl.logprobs import sequence_logprobs
 
 
 def shape(text: str) -> tuple[int, int, int]:

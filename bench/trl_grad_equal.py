@@ -129,7 +129,7 @@ def compare_losses(parts, trainer, tok) -> None:
     adv = torch.randn(n, generator=g)
     ref = -3.0 + 0.3 * torch.randn(n, L, generator=g)  # replaced by the real logps + noise below
     with torch.no_grad():
-        from gpufleet.rl.logprobs import sequence_logprobs
+        from gpufleet.engine.logprobs import sequence_logprobs
 
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attn = torch.cat([torch.ones_like(prompt_ids), mask.long()], 1)

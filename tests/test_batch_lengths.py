@@ -8,10 +8,10 @@ import contextlib
 import pytest
 import torch
 
+from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.rl import batch as batch_module
 from gpufleet.rl import trainer
 from gpufleet.rl.batch import GenerationBatch, length_groups, logprobs_of
-from gpufleet.rl.logprobs import sequence_logprobs
 from test_trainer import grads_for, make_job
 
 

@@ -1,4 +1,4 @@
-"""The CPU decode matmul (rl/cpu_kernels.c): torch.mm's values, bits independent of rows and threads, built
+"""The CPU decode matmul (engine/cpu_kernels.c): torch.mm's values, bits independent of rows and threads, built
 once into the cache, and torch.mm in the fast decoder wherever it cannot be built."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.fastdecode import FastDecoder
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import materialize
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.fastdecode import FastDecoder
 
 BUILDS_HERE = (
     platform.machine() == "x86_64"
@@ -148,7 +148,7 @@ def test_the_native_decode_step_equals_the_python_step(step_model, threads):
     HF forward's are checked for every family in test_fastdecode.py), the same bits at 1 and 2 threads,
     and the KV cache it writes is the Python step's."""
     model = step_model
-    from gpufleet.rl.rollout import left_pad
+    from gpufleet.engine.rollout import left_pad
     from test_fastdecode import random_prompts
 
     ids, mask = left_pad(random_prompts(5, 0, lo=1, hi=9), 0)  # left-padded: the key mask is used
@@ -176,7 +176,7 @@ def test_the_native_decode_step_equals_the_python_step(step_model, threads):
 
 @needs_kernel
 def test_a_token_outside_the_vocabulary_or_a_position_outside_the_cache_is_refused(model):
-    from gpufleet.rl.rollout import left_pad
+    from gpufleet.engine.rollout import left_pad
 
     decoder = FastDecoder(model)
     ids, mask = left_pad([[5, 6], [7, 8]], 0)

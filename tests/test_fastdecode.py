@@ -16,11 +16,11 @@ from transformers import (
     Qwen3Config,
 )
 
+from gpufleet.engine import cpu_kernels, rollout
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.rollout import generate, left_pad
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import CHAR_VOCAB, EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl import cpu_kernels, rollout
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.rollout import generate, left_pad
 
 VOCAB = len(CHAR_VOCAB)  # the built-in models' vocabulary; the configs below use it too
 ATOL = 1e-5
@@ -199,7 +199,7 @@ def test_copies_the_weights_in_the_fastest_layout_that_fits(models, monkeypatch)
     """On CPU the small built-in models get copies of every projection, packed for the CPU kernel where it
     runs, else (in, out); past the copy budget, the fused q/k/v and gate/up only, then views of the
     parameters (nothing copied)."""
-    import gpufleet.rl.fastdecode as fastdecode
+    import gpufleet.engine.fastdecode as fastdecode
 
     model = models["tiny-qwen2"]
     down = model.model.layers[0].mlp.down_proj.weight

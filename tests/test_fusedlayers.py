@@ -1,5 +1,5 @@
 """The fused RMSNorm, SwiGLU and attention (RoPE in C, SDPA over the key/value heads) of the CPU training
-forward (rl/fusedlayers.py) against the models' own code: values and gradients, thread counts, rows, and
+forward (engine/fusedlayers.py) against the models' own code: values and gradients, thread counts, rows, and
 the cases that keep the models' own code."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm, apply_rotary_pos_emb
 
-from gpufleet.rl import cpu_kernels, fusedlayers
-from gpufleet.rl.fusedlayers import fused_layers, rms_norm, swiglu
-from gpufleet.rl.logprobs import sequence_logprobs
+from gpufleet.engine import cpu_kernels, fusedlayers
+from gpufleet.engine.fusedlayers import fused_layers, rms_norm, swiglu
+from gpufleet.engine.logprobs import sequence_logprobs
 from test_fastdecode import CONFIGS, VOCAB
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))

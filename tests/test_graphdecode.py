@@ -1,4 +1,4 @@
-"""The fast decoder's CUDA-graph step (rl/graphdecode.py): its static-shape step gives the eager step's
+"""The fast decoder's CUDA-graph step (engine/graphdecode.py): its static-shape step gives the eager step's
 logits and the same rollouts (on the CPU, run eagerly), and on a GPU the captured graph replays the bits
 of that step (those tests run where CUDA is)."""
 
@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gpufleet.engine import graphdecode, rollout
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.graphdecode import GRAPHS_ENV, GraphStep
+from gpufleet.engine.rollout import left_pad
+from gpufleet.engine.sampling import cumulative
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import materialize
-from gpufleet.rl import graphdecode, rollout
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.graphdecode import GRAPHS_ENV, GraphStep
-from gpufleet.rl.rollout import left_pad
-from gpufleet.rl.sampling import cumulative
 from test_fastdecode import (
     _FAST_DECODER,
     CONFIGS,

@@ -1,4 +1,4 @@
-"""rl/heap.py: freed memory stays with the process, so a step's second round of tensors takes no page
+"""engine/heap.py: freed memory stays with the process, so a step's second round of tensors takes no page
 faults (measured in a fresh process each, with getrusage; two rounds after the first)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 ROUNDS = """
 import resource
 import numpy as np  # its arrays come from glibc's malloc, as torch's CPU tensors do (no torch import: quick)
-from gpufleet.rl.heap import keep_freed_memory
+from gpufleet.engine.heap import keep_freed_memory
 print(keep_freed_memory())
 def round_():  # 40 live arrays of 2 MiB, written, then all freed (a step's activations)
     live = [np.ones(512 * 1024, dtype=np.float32) for _ in range(40)]

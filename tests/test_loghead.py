@@ -1,4 +1,4 @@
-"""rl/loghead.py: log-probs from the hidden states with the head applied chunk by chunk equal the
+"""engine/loghead.py: log-probs from the hidden states with the head applied chunk by chunk equal the
 full-logits path (GPUFLEET_FUSED_LOGPROBS=0) in values and gradients, for tied and untied heads, Gemma2's
 soft-capping, LoRA (peft, head included) and under DDP and FSDP2; the head never sees more than a chunk of
 positions, and the model is left as it was (same head module, same config)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpufleet.engine import loghead
+from gpufleet.engine.loghead import causal_lm
+from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.models import load_causal_lm
-from gpufleet.rl import loghead
-from gpufleet.rl.loghead import causal_lm
-from gpufleet.rl.logprobs import sequence_logprobs
 
 
 def gemma2():

@@ -40,9 +40,9 @@ def test_adapter_count_equals_peft(model, targets):
 
 
 def test_planned_grads_and_optimizer_are_the_adapters_measured():
+    from gpufleet.engine.logprobs import sequence_logprobs
     from gpufleet.plan.memory import Precision, train_state_bytes
     from gpufleet.plan.shape import arch_from_config, count_parameters
-    from gpufleet.rl.logprobs import sequence_logprobs
     from gpufleet.rl.optim import build_optimizer
 
     section = ModelSection(use_peft=True, lora_target_modules=["all-linear"])

@@ -1,14 +1,14 @@
-"""The CPU decode loop with its bookkeeping in C (rl/nativeloop.py): the rollout of the torch loop over the
+"""The CPU decode loop with its bookkeeping in C (engine/nativeloop.py): the rollout of the torch loop over the
 same fast decoder, bit for bit, and where it steps aside."""
 
 from __future__ import annotations
 
 import pytest
 
+from gpufleet.engine import cpu_kernels, nativeloop, rollout
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.rollout import generate
 from gpufleet.models.builtin import PAD_TOKEN_ID
-from gpufleet.rl import cpu_kernels, nativeloop, rollout
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.rollout import generate
 from test_fastdecode import assert_same_rollout, models, random_prompts, rows_finishing_early, sample  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=str(cpu_kernels.unavailable_reason()))

@@ -1,4 +1,4 @@
-"""Causal attention within each sequence of a packed row (rl/packedattention.py, attention_kernels.c),
+"""Causal attention within each sequence of a packed row (engine/packedattention.py, attention_kernels.c),
 forward and backward, against each sequence on its own through SDPA in float64: grouped heads, head widths
 that are and are not a multiple of the kernel's 16-column tiles, sequences longer than its 48-row chunks,
 a sliding window, one-token sequences; the same bits whatever the thread count."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.packedattention import packed_attention
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.packedattention import packed_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C kernels here")
 

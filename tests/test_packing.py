@@ -1,4 +1,4 @@
-"""A micro-batch's sequences packed into one row for the CPU training forward (rl/packing.py): the layout
+"""A micro-batch's sequences packed into one row for the CPU training forward (engine/packing.py): the layout
 by hand, and log-probs, entropies and gradients equal to the padded forward's (and to Hugging Face's own
 attention over the packed row). The attention kernel itself: test_packedattention.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpufleet.rl import fusedlayers, packing
-from gpufleet.rl.logprobs import sequence_logprobs
+from gpufleet.engine import fusedlayers, packing
+from gpufleet.engine.logprobs import sequence_logprobs
 from test_fastdecode import CONFIGS, VOCAB
 from test_fusedlayers import _model
 

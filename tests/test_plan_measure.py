@@ -24,13 +24,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gpufleet.config.schema import TrainSection
+from gpufleet.engine import fusedlayers
+from gpufleet.engine.logprobs import sequence_logprobs
+from gpufleet.engine.rollout import generate
 from gpufleet.plan.inference import kv_cache_bytes
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes
 from gpufleet.plan.shape import arch_from_config, count_parameters
-from gpufleet.rl import fusedlayers
-from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.optim import build_optimizer
-from gpufleet.rl.rollout import generate
 
 SHAPES: dict[str, dict] = {
     "qwen2 (GQA 4/2, tied, q/k/v bias)": dict(
@@ -142,7 +142,7 @@ def test_activations_within_15_percent(name, prompt, completion, checkpointing, 
 @pytest.mark.parametrize(("prompt", "completion"), LENGTHS)
 @pytest.mark.parametrize("name", list(SHAPES)[:3])
 def test_packed_activations_within_15_percent(name, prompt, completion, monkeypatch):
-    """Packed (rl/packing.py: the CPU forward of these fp32 models) at full length, the planner's case
+    """Packed (engine/packing.py: the CPU forward of these fp32 models) at full length, the planner's case
     (where packing saves nothing, so it is forced here)."""
     seen = []
     original = fusedlayers.packed_attention
@@ -168,7 +168,7 @@ def _activations_within_15_percent(name, prompt, completion, checkpointing, auto
         prompt_tokens=prompt,
         completion_tokens=completion,
         checkpointing=checkpointing,
-        fused_cpu=True,  # measured on the CPU: fused norms, SwiGLU and attention in fp32 (rl/fusedlayers.py)
+        fused_cpu=True,  # measured on the CPU: fused norms, SwiGLU and attention in fp32 (engine/fusedlayers.py)
     ).saved
     assert abs(predicted / measured - 1) <= 0.15, (measured, predicted)
 
@@ -208,8 +208,8 @@ def test_backward_peak_with_the_head_gradient_within_15_percent(
     monkeypatch.setenv("GPUFLEET_PACKED", "0")
     monkeypatch.setenv("GPUFLEET_FUSED_LAYERS", "0")  # the modules a GPU runs
     monkeypatch.setenv("GPUFLEET_FUSED_LOGPROBS", "1" if fused else "0")
+    from gpufleet.engine import logprobs
     from gpufleet.plan import memory
-    from gpufleet.rl import logprobs
 
     monkeypatch.setattr(logprobs, "_CHUNK_ELEMENTS", 1 << 19)  # 4 positions of 3 x 2**15 logits a chunk
     monkeypatch.setattr(memory, "LOGPROB_CHUNK_ELEMENTS", 1 << 19)
@@ -288,7 +288,7 @@ def test_kv_cache_exact(name):
 def test_kv_cache_of_the_fast_decoder_exact(name, monkeypatch):
     """The fast decoder preallocates (B, kv_heads, prompt + max_new_tokens, head_dim) per layer: the
     planner's tokens = max_prompt_length + max_completion_length, exactly."""
-    from gpufleet.rl import rollout
+    from gpufleet.engine import rollout
 
     if not hasattr(rollout, "_fast_decoder"):
         pytest.skip("this trainer has no fast decoder")
@@ -311,7 +311,7 @@ def test_kv_cache_of_the_fast_decoder_exact(name, monkeypatch):
 
 
 def test_fuse_limit_mirrors_the_fast_decoder():
-    fastdecode = pytest.importorskip("gpufleet.rl.fastdecode")
+    fastdecode = pytest.importorskip("gpufleet.engine.fastdecode")
     from gpufleet.plan.inference import COPY_LIMIT_BYTES
 
     assert COPY_LIMIT_BYTES == fastdecode._COPY_LIMIT_BYTES
@@ -322,14 +322,14 @@ def test_fuse_limit_mirrors_the_fast_decoder():
 def test_decoder_weight_copies_exact(name, limit, monkeypatch):
     """The planner's `fast_decode_copies` on CPU is the bytes of the decoder's own weight copies (the
     tensors it holds that are not the model's parameters), in each layout the copy budget allows."""
+    from gpufleet.engine import fastdecode
     from gpufleet.plan import inference
-    from gpufleet.rl import fastdecode
 
     raw = SHAPES.get(name) or {**SHAPES["llama (MHA 6/6, untied, biases)"], "mlp_bias": True}
     model = build(raw).eval()
     arch = arch_from_config(model.config.to_dict())
     if limit == "dense":  # every copy, and no CPU kernel: (in, out) copies
-        from gpufleet.rl import cpu_kernels
+        from gpufleet.engine import cpu_kernels
 
         monkeypatch.setattr(cpu_kernels, "_loaded", {"reason": "off in this test"})
         limit = 1 << 30

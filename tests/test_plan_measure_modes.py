@@ -18,10 +18,10 @@ import torch
 import torch.multiprocessing as mp
 
 from gpufleet.config.schema import ModelSection, TrainSection
+from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.launch.torchrun import free_port
 from gpufleet.plan.memory import Precision, train_activations, train_state_bytes, with_adapter
 from gpufleet.plan.shape import arch_from_config, count_parameters
-from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.optim import build_optimizer
 from helpers import gloo_done, gloo_rank
 from test_plan_measure import SHAPES, batch, build, storage_bytes
@@ -151,7 +151,7 @@ def test_lora_as_planned(base):
         prompt_tokens=PROMPT,
         completion_tokens=COMPLETION,
         checkpointing=False,
-        fused_cpu=True,  # measured on the CPU: fp32 runs its norms, SwiGLU and attention fused (rl/fusedlayers.py)
+        fused_cpu=True,  # measured on the CPU: fp32 runs its norms, SwiGLU and attention fused (engine/fusedlayers.py)
     )
     width = adapted_width(config, section)
     predicted = with_adapter(plain, adapter, width, 3 * (PROMPT + COMPLETION), Precision(name, name)).saved

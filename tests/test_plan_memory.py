@@ -224,7 +224,7 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
     on = train_activations(arch, params, p, checkpointing=True, **kw)
     assert on.layers == arch.num_layers * 4 * 512 * arch.hidden_size * 4
     assert on.saved < off.saved / 5
-    assert on.logits == off.logits == 0  # the head runs chunk by chunk (rl/loghead.py)
+    assert on.logits == off.logits == 0  # the head runs chunk by chunk (engine/loghead.py)
     gpt2 = arch_from_config(
         dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
     )
@@ -233,7 +233,7 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
 
 
 def test_chunk_size_mirrors_the_trainer():
-    from gpufleet.rl import logprobs
+    from gpufleet.engine import logprobs
 
     assert LOGPROB_CHUNK_ELEMENTS == logprobs._CHUNK_ELEMENTS
 
@@ -241,9 +241,9 @@ def test_chunk_size_mirrors_the_trainer():
 def test_fused_families_mirror_the_trainer():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from gpufleet.engine.loghead import FUSED_CLASSES
     from gpufleet.plan.memory import FUSED_LOGPROB_FAMILIES
     from gpufleet.plan.shape import SUPPORTED_TYPES
-    from gpufleet.rl.loghead import FUSED_CLASSES
 
     for model_type, family in SUPPORTED_TYPES.items():
         fused = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] in FUSED_CLASSES
@@ -352,7 +352,7 @@ def test_plan_frees_gradients_in_rollout_and_counts_one_micro_batch_by_its_large
 
 
 def test_plan_follows_the_fused_logprobs_switch(tmp_path):
-    """`GPUFLEET_FUSED_LOGPROBS=0` gives the trainer the whole logits (rl/logprobs.py); the plan counts
+    """`GPUFLEET_FUSED_LOGPROBS=0` gives the trainer the whole logits (engine/logprobs.py); the plan counts
     them then, in training and in the reference's scoring."""
     from gpufleet.config.load import load_job
     from gpufleet.hardware import parse_gpu_spec

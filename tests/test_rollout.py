@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
+from gpufleet.engine.logprobs import sequence_logprobs
+from gpufleet.engine.rollout import Rollout, generate, left_pad
+from gpufleet.engine.sampling import next_tokens as _sample
 from gpufleet.models import load_causal_lm
 from gpufleet.models.builtin import EOS_TOKEN_ID, PAD_TOKEN_ID, materialize
-from gpufleet.rl.logprobs import sequence_logprobs
-from gpufleet.rl.rollout import Rollout, generate, left_pad
-from gpufleet.rl.sampling import next_tokens as _sample
 
 
 @pytest.fixture(scope="module")

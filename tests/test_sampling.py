@@ -1,4 +1,4 @@
-"""rl/sampling.py by hand: which tokens are never sampled, and what suppressing them does to the logits."""
+"""engine/sampling.py by hand: which tokens are never sampled, and what suppressing them does to the logits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.sampling import cumulative, never_sampled, next_tokens, pick, suppress_early, suppress_logits
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.sampling import (
+    cumulative,
+    never_sampled,
+    next_tokens,
+    pick,
+    suppress_early,
+    suppress_logits,
+)
 
 
 def test_never_sampled_is_a_pad_that_is_no_eos():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from gpufleet.config import precision
 from gpufleet.config.load import Resolved
+from gpufleet.engine.switches import FUSED_LAYERS, FUSED_LOGPROBS, switched_off
 from gpufleet.hardware import Hardware
 from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
@@ -38,7 +39,6 @@ from gpufleet.plan.memory import (
 )
 from gpufleet.plan.overhead import overhead_bytes
 from gpufleet.plan.shape import Models
-from gpufleet.rl.switches import FUSED_LAYERS, FUSED_LOGPROBS, switched_off
 from gpufleet.topology import Topology
 
 
@@ -197,7 +197,7 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
     mixed = precision.fsdp_mixed(job, lay.shards)
     run = Precision(prec.compute, prec.compute) if mixed else prec
     ref = Precision(precision.reference_dtype(job), precision.reference_dtype(job))
-    # the head's log-probs chunk by chunk where the trainer does it (rl/logprobs.py's switch)
+    # the head's log-probs chunk by chunk where the trainer does it (engine/logprobs.py's switch)
     sizes = {"batch": micro, "prompt_tokens": P, "completion_tokens": T}
     sizes["fused_logprobs"] = not switched_off(FUSED_LOGPROBS, env)
     copies = fast_decode_copies(pol.arch, run, wrapped=fsdp, cpu=hw.is_cpu)

@@ -6,7 +6,7 @@ KV cache of the rollout (`rollout_bytes`)
     completion and sequences = per_device_batch x steps_per_generation (a rank generates its whole
     generation batch at once). `generate` runs outside autocast, so bytes = the weights' dtype. Plus the
     prefill's working set (one layer over all prompts), the sampler's float temporaries over the
-    vocabulary, and the fast decoder's weight copies (at most 1 GiB; rl/fastdecode.py).
+    vocabulary, and the fast decoder's weight copies (at most 1 GiB; engine/fastdecode.py).
 
 Reference / reward models (`logprob_scoring_bytes`, `reward_model_bytes`)
     Inference weights (both frozen, in the compute dtype: config/precision.py `reference_dtype`,
@@ -69,10 +69,10 @@ def kv_cache_bytes(arch: Arch, *, dtype_bytes: int, tokens: int, sequences: int)
 
 
 COPY_LIMIT_BYTES = 1 << 30
-"""Mirror of `gpufleet.rl.fastdecode._COPY_LIMIT_BYTES`: the most the fast decoder's weight copies take."""
+"""Mirror of `gpufleet.engine.fastdecode._COPY_LIMIT_BYTES`: the most the fast decoder's weight copies take."""
 
 FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-"""model_type values `gpufleet.rl.fastdecode.FastDecoder` runs (plain float32 models only)."""
+"""model_type values `gpufleet.engine.fastdecode.FastDecoder` runs (plain float32 models only)."""
 
 
 def fast_decode_copies(
@@ -80,7 +80,7 @@ def fast_decode_copies(
 ) -> int:
     """Bytes of the weight copies the fast decoder builds for one `generate` call, as
     `FastDecoder._layout_that_fits` picks them: on CPU every projection, its biases and the head if they
-    fit in `COPY_LIMIT_BYTES` (``panels``: packed for the CPU kernel, `gpufleet.rl.cpu_kernels`, each
+    fit in `COPY_LIMIT_BYTES` (``panels``: packed for the CPU kernel, `gpufleet.engine.cpu_kernels`, each
     weight's outputs padded to a multiple of 16; else as they are); else the fused q/k/v and gate/up if
     those fit; else none. 0 where it does not run (other families, non-float32 weights, an FSDP-wrapped
     policy)."""

@@ -38,7 +38,7 @@ Activations of one micro-batch (`train_activations`)
     * No dropout (Llama-family configs have attention_dropout 0); GPT-2 adds its dropout masks.
     * Outside the layers: the rotary cos/sin tables, the token ids, the final norm, the LM head's input
       for the completion positions only, and no logits: for the families in `FUSED_LOGPROB_FAMILIES`
-      `sequence_logprobs` applies the head chunk by chunk (`rl/loghead.py`), each chunk of about 2**24
+      `sequence_logprobs` applies the head chunk by chunk (`engine/loghead.py`), each chunk of about 2**24
       logits recomputed in backward, so logits exist for one chunk at a time (in the compute dtype, its
       fp32 temporaries, Gemma2's soft-capped copy). Other families (GPT-2) get the completion's logits
       whole (`logits_to_keep = T + 1`): (b, T + 1, vocab) in the compute dtype kept for the checkpointed
@@ -47,7 +47,7 @@ Activations of one micro-batch (`train_activations`)
       2 bytes x every matmul weight (including the LM head), alive from forward to backward.
     * The backward's working set includes the LM head weight's gradient summed over the log-prob
       chunks (vocab x hidden, compute dtype; none with a LoRA adapter's frozen head): one buffer beside
-      a chunk's working set without autocast (`rl/loghead.py`'s `_SummedHead`); under autocast each
+      a chunk's working set without autocast (`engine/loghead.py`'s `_SummedHead`); under autocast each
       chunk's gradient meets autograd's running sum and the first sum is made out of place, so three
       exist at once (one with a single chunk). Before the buffer an H200 measured the three in fp32:
       Qwen2.5-0.5B's train phase 1.62 GiB, planned 1.62.
@@ -75,10 +75,10 @@ GiB = 1024**3
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 24
-"""Mirror of `gpufleet.rl.logprobs._CHUNK_ELEMENTS` (a test keeps them equal): logits per log-prob chunk."""
+"""Mirror of `gpufleet.engine.logprobs._CHUNK_ELEMENTS` (a test keeps them equal): logits per log-prob chunk."""
 
 FUSED_LOGPROB_FAMILIES = frozenset({"llama", "gemma", "gemma2"})
-"""Families whose classes are in `gpufleet.rl.loghead.FUSED_CLASSES` (a test keeps them in step): their
+"""Families whose classes are in `gpufleet.engine.loghead.FUSED_CLASSES` (a test keeps them in step): their
 log-probs never hold the whole batch's logits."""
 
 
@@ -184,7 +184,7 @@ def _norm_bytes(
     """Bytes per row an RMSNorm keeps for backward, plus what its consumers keep of its output.
 
     Llama/Qwen RMSNorm: fp32 x (or its fp32 copy), rsqrt, the normalised x in the input dtype; `fused`
-    (rl/fusedlayers.py): x and rsqrt only. Gemma RMSNorm: the normalised x stays fp32 (scaled by 1 +
+    (engine/fusedlayers.py): x and rsqrt only. Gemma RMSNorm: the normalised x stays fp32 (scaled by 1 +
     weight in fp32). The output is kept once when the consumers use it as is, or once per consumer when
     autocast casts it (a Linear under autocast keeps its own low-precision copy).
     """
@@ -323,8 +323,8 @@ def train_activations(
 ) -> Activations:
     """Activations of one training micro-batch of `batch` sequences (see the module docstring).
     `fused_cpu`: on a CPU, where a Llama-family model computing in fp32 without checkpointing runs its
-    norms, SwiGLU and attention fused (rl/fusedlayers.py), which keep less. Counted at full length: its
-    rows packed (rl/packing.py) keep only their tokens', no more than this. `head_trained`: the LM head's
+    norms, SwiGLU and attention fused (engine/fusedlayers.py), which keep less. Counted at full length: its
+    rows packed (engine/packing.py) keep only their tokens', no more than this. `head_trained`: the LM head's
     weight gets a gradient (not with a LoRA adapter's frozen base). `fused_logprobs`: False with
     `GPUFLEET_FUSED_LOGPROBS=0` (`logits_bytes`)."""
     if batch < 1 or prompt_tokens < 1 or completion_tokens < 1:
@@ -361,7 +361,7 @@ def train_activations(
     whole = 2 * logits + 4 * chunk * 4 if logits else 2 * chunk_logits + 4 * chunk * 4 + b * c * h * a
     layer_grad = tokens * (2 * h * r + 3 * arch.intermediate_size * a) + (layer if checkpointing else 0)
     # The head weight's gradient (vocab x hidden) over the chunks: without autocast summed in one buffer
-    # (rl/loghead.py's _SummedHead), beside each chunk's working set; under autocast each chunk's meets
+    # (engine/loghead.py's _SummedHead), beside each chunk's working set; under autocast each chunk's meets
     # autograd's running sum, the first sum made out of place: three at once (measured on an H200 before
     # the buffer, fp32: 1.52 GiB of a 1.62 GiB backward for Qwen2.5-0.5B; bf16 autocast as planned).
     weight_grad = params.head_matmul * a if head_trained and not logits else 0

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from gpufleet.engine import packing
+from gpufleet.engine.logprobs import sequence_logprobs
+from gpufleet.engine.rollout import Rollout
 from gpufleet.parallel import decoder_layers
-from gpufleet.rl import packing
-from gpufleet.rl.logprobs import sequence_logprobs
-from gpufleet.rl.rollout import Rollout
 
 
 @dataclass
@@ -101,7 +101,7 @@ def pass_tokens(model: torch.nn.Module) -> int | None:
 
 
 PACK_SHARE = 0.25
-"""What packing a micro-batch's rows costs on a CPU (rl/packing.py: the layout, the packed positions,
+"""What packing a micro-batch's rows costs on a CPU (engine/packing.py: the layout, the packed positions,
 the results scattered back to (B, T)) as a share of one more pass (``pass_tokens``): the tiny built-in
 model's `speed` optimizer step took 17.0-17.2 vs 16.3-16.6 ms packed, saving 58 of 272 positions (best
 of 10, alternating, two runs, with the attention's C kernel; before it, with a gather each way around every attention,
@@ -118,7 +118,7 @@ def pack_over(model: torch.nn.Module) -> int | None:
 
 def length_cut(model: torch.nn.Module, early: tuple[int | None, int]) -> int | None:
     """The ``pass_cost`` of ``GenerationBatch.micro_batches`` for ``model``: ``pass_tokens``, or None where
-    its forward packs the rows (rl/packing.py): then a micro-batch with more padding than ``pack_over`` is
+    its forward packs the rows (engine/packing.py): then a micro-batch with more padding than ``pack_over`` is
     packed, and one with less would not have been cut either (a pass costs more than packing); one whose
     rows do not pack (``packing.pack``) runs padded, uncut (slower, the same values).
     ``early``: (EOS id, min_new_tokens). Call it under the forward's autocast."""

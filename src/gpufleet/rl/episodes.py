@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpufleet.engine.rollout import Rollout, left_pad
 from gpufleet.env.connect import env_errors
 from gpufleet.rl.batch import encode_prompt
 from gpufleet.rl.parts import sample
-from gpufleet.rl.rollout import Rollout, left_pad
 
 SEED_SPACE = 2**31
 """Environment seeds stay below this (what numpy's and Gymnasium's seeding take everywhere)."""

@@ -9,14 +9,14 @@ import torch
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
-from gpufleet.rl.compiled import compile_layers, eager
+from gpufleet.engine.compiled import compile_layers, eager
+from gpufleet.engine.rollout import Rollout, generate
+from gpufleet.engine.sampling import never_sampled
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
 from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype, reward_model_dtype
 from gpufleet.rl.rewards import Rewards
-from gpufleet.rl.rollout import Rollout, generate
-from gpufleet.rl.sampling import never_sampled
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Parts:
     env: object | None = None
     """With an env: this rank's way to its environments (env/client.py `EnvPool` or `LocalPool`)."""
     suppress_tokens: tuple[int, ...] = ()
-    """Token ids the policy never samples nor scores (rl/sampling.py `never_sampled`: a pad that is not EOS)."""
+    """Token ids the policy never samples nor scores (engine/sampling.py `never_sampled`: a pad that is not EOS)."""
     entropy: EntropyControl = field(default_factory=EntropyControl)
     """The entropy bonus's coefficient and adaptive controller (its state goes into checkpoints)."""
     pending_ref_mixes: list = field(default_factory=list)
@@ -157,7 +157,7 @@ def sharded(job: Job, rt: Runtime) -> bool:
 
 
 def _suppress_tokens(tokenizer, policy: torch.nn.Module, min_new_tokens: int = 0) -> tuple[int, ...]:
-    """The tokens never sampled (see rl/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
+    """The tokens never sampled (see engine/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
     config and generation config name. Written into the policy's generation config (`suppress_tokens`),
     so a saved checkpoint's `generate` leaves them out as training did."""
     generation = getattr(policy, "generation_config", None)

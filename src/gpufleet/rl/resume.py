@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from gpufleet import checkpoint, continuity
+from gpufleet.engine.rollout import Rollout
 from gpufleet.errors import UserError
 from gpufleet.rl.batch import GenerationBatch, Scored, reuse_count
-from gpufleet.rl.rollout import Rollout
 
 
 def layout(p) -> dict:

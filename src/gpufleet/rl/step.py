@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
+from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
 from gpufleet.rl import scorer
@@ -34,7 +35,6 @@ from gpufleet.rl.batch import (
 )
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats, play
-from gpufleet.rl.logprobs import sequence_logprobs
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import completion_token_ids

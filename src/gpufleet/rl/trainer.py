@@ -24,6 +24,7 @@ import yaml
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
+from gpufleet.engine.heap import keep_freed_memory
 from gpufleet.monitor.memory import planned_bytes
 from gpufleet.monitor.metrics import JsonlWriter, Progress
 from gpufleet.monitor.steplog import StepLog
@@ -31,7 +32,6 @@ from gpufleet.monitor.stepstats import step_stats
 from gpufleet.rl import refsync, resume, scorer
 from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
-from gpufleet.rl.heap import keep_freed_memory
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build, sharded
 from gpufleet.rl.precision import autocast_for, reference_dtype, reward_model_dtype
@@ -44,7 +44,7 @@ def train(
     """Run the job from step 0, or from the checkpoint `resume_from`; write metrics, samples,
     checkpoints and the final model. Returns the last step's metrics."""
     rt = rt or Runtime()
-    keep_freed_memory()  # each step's tensors reuse the last step's pages (rl/heap.py)
+    keep_freed_memory()  # each step's tensors reuse the last step's pages (engine/heap.py)
     t, o = job.train, job.output
     p = build(job, rt, weights=resume_from, run_dir=out_dir)
     if rt.is_main:

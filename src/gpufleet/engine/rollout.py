@@ -25,7 +25,7 @@ stream per *row*:
   ``nativeloop.decode``: the same rollout with the per-step bookkeeping in C. Anything else (DDP/FSDP or other wrappers
   included) runs the model's own forward; ``GPUFLEET_FAST_DECODE=0`` forces that path.
 
-``sequence_logprobs`` (the log-probs of what was sampled, for training) is in ``rl/logprobs.py``.
+``sequence_logprobs`` (the log-probs of what was sampled, for training) is in ``engine/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.rl import nativeloop
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.sampling import pick, row_uniforms
-from gpufleet.rl.switches import switched_off
+from gpufleet.engine import nativeloop
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.sampling import pick, row_uniforms
+from gpufleet.engine.switches import switched_off
 
 __all__ = ["Rollout", "generate", "left_pad"]
 

@@ -1,4 +1,4 @@
-"""The CPU decode loop with its per-step bookkeeping in C (``gpufleet_sample_advance`` in rl/cpu_kernels.c).
+"""The CPU decode loop with its per-step bookkeeping in C (``gpufleet_sample_advance`` in engine/cpu_kernels.c).
 
 ``rollout._decode`` runs each step as a dozen small torch operations around the model (the pad for
 finished rows, the token and mask columns, the done flags, the count of live rows, the rows the decoder
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.fastdecode import FastDecoder
-from gpufleet.rl.sampling import native_probs, plain
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.sampling import native_probs, plain
 
 __all__ = ["applies", "decode"]
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from gpufleet.rl import packing
-from gpufleet.rl.fusedlayers import fused_layers
-from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
-from gpufleet.rl.switches import FUSED_LOGPROBS, switched_off
+from gpufleet.engine import packing
+from gpufleet.engine.fusedlayers import fused_layers
+from gpufleet.engine.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, chunked_stats, fused_head
+from gpufleet.engine.switches import FUSED_LOGPROBS, switched_off
 
 __all__ = ["sequence_logprobs"]
 

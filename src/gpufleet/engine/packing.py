@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.rl.fusedlayers import fused_layers, packs
-from gpufleet.rl.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, fused_head
-from gpufleet.rl.switches import FUSED_LOGPROBS, PACKED, switched_off
+from gpufleet.engine.fusedlayers import fused_layers, packs
+from gpufleet.engine.loghead import CHUNK_ELEMENTS, LogprobHead, causal_lm, fused_head
+from gpufleet.engine.switches import FUSED_LOGPROBS, PACKED, switched_off
 
 __all__ = ["Packed", "applies", "logprobs", "pack", "saves_over", "unpack"]
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from gpufleet.rl.switches import switched_off
+from gpufleet.engine.switches import switched_off
 
 FastDecoder = Any
 """A ``fastdecode.FastDecoder`` (not imported: it imports this module)."""

@@ -1,4 +1,4 @@
-/* The CPU training forward's RMSNorm, SwiGLU and RoPE, forward and backward (rl/fusedlayers.py). */
+/* The CPU training forward's RMSNorm, SwiGLU and RoPE, forward and backward (engine/fusedlayers.py). */
 #include "simd.h"
 
 /* ---- RMSNorm and SwiGLU ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``FastDecoder.step`` as one C call (``gpufleet_decode_step`` in rl/cpu_kernels.c) on CPU.
+"""``FastDecoder.step`` as one C call (``gpufleet_decode_step`` in engine/cpu_kernels.c) on CPU.
 
 In Python a decode step of a 4-layer model is about 90 torch calls, each a few microseconds of dispatch
 and a fresh tensor, around matmuls of 16 rows; SDPA alone took 94 us a call for one query. The C step
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from gpufleet.rl import cpu_kernels
+from gpufleet.engine import cpu_kernels
 
-FastDecoder = Any  # rl/fastdecode.FastDecoder, which imports this module
+FastDecoder = Any  # engine/fastdecode.FastDecoder, which imports this module
 
 __all__ = ["NativeStep"]
 
@@ -54,7 +54,7 @@ class _Step(ctypes.Structure):
         *((name, ctypes.c_float) for name in ("eps", "qk_eps", "scaling")),
         *((name, ctypes.c_void_p) for name in _POINTERS),
         ("embed_rows", ctypes.c_longlong),
-    ]  # gf_step in rl/cpu_kernels.c, field for field
+    ]  # gf_step in engine/cpu_kernels.c, field for field
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,4 +1,4 @@
-"""When ``FastDecoder`` (rl/fastdecode.py) computes exactly what the Hugging Face forward computes.
+"""When ``FastDecoder`` (engine/fastdecode.py) computes exactly what the Hugging Face forward computes.
 
 ``FastDecoder.unsupported_reason(model, max_length)`` says why a model must take the HF path instead. It
 is conservative: anything but exactly the plain HF classes (subclasses, FSDP/DDP or PEFT wrappers,

@@ -34,7 +34,7 @@ biases when configured; Qwen3's ``q_norm``/``k_norm`` over ``head_dim`` before R
 forward to a few 1e-7: the elementwise ops give the same bits, matmuls of other shapes (fused, packed)
 may round differently.
 
-``FastDecoder.unsupported_reason(model, max_length)`` (rl/fastdecode_check.py) says why a model must take
+``FastDecoder.unsupported_reason(model, max_length)`` (engine/fastdecode_check.py) says why a model must take
 the HF path instead.
 """
 
@@ -43,11 +43,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.fastdecode_check import sliding_window, structure_reason, unsupported_reason
-from gpufleet.rl.fastdecode_native import NativeStep
-from gpufleet.rl.fastdecode_ops import PROJECTIONS, Layer, Linear, Norm, distinct_rows, rope
-from gpufleet.rl.graphdecode import GraphStep
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.fastdecode_check import sliding_window, structure_reason, unsupported_reason
+from gpufleet.engine.fastdecode_native import NativeStep
+from gpufleet.engine.fastdecode_ops import PROJECTIONS, Layer, Linear, Norm, distinct_rows, rope
+from gpufleet.engine.graphdecode import GraphStep
 
 __all__ = ["FastDecoder"]
 

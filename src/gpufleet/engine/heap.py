@@ -16,7 +16,7 @@ import ctypes
 import ctypes.util
 import platform
 
-from gpufleet.rl.switches import switched_off
+from gpufleet.engine.switches import switched_off
 
 __all__ = ["ENV", "keep_freed_memory"]
 

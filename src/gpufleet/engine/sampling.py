@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gpufleet.rl import cpu_kernels
+from gpufleet.engine import cpu_kernels
 
 __all__ = [
     "never_sampled",

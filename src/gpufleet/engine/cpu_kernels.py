@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from gpufleet.engine.switches import switched_off
 from gpufleet.models.builtin import default_root
-from gpufleet.rl.switches import switched_off
 
 __all__ = [
     "ENV",

@@ -1,4 +1,4 @@
-"""Attention within each sequence of a packed row (rl/packing.py), for the fused CPU attention
+"""Attention within each sequence of a packed row (engine/packing.py), for the fused CPU attention
 (``fusedlayers.attention``): one C pass each way over the packed row as it lies
 (``attention_kernels.c``), the mask of a packed row for a module's own forward, and the sliding window a
 layer has as its model chooses it.
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from gpufleet.rl import cpu_kernels
+from gpufleet.engine import cpu_kernels
 
 __all__ = ["packed_attention", "packed_mask", "window_of"]
 
@@ -30,7 +30,7 @@ def packed_attention(
     window: float = float("inf"),
 ) -> torch.Tensor:
     """Causal attention within each of the packed sequences that ``cu_seq_lens`` (B + 1,) delimits
-    (rl/packing.py), each query seeing its last ``window`` keys at most: q (1, H, total, D), k and v
+    (engine/packing.py), each query seeing its last ``window`` keys at most: q (1, H, total, D), k and v
     (1, KV heads, total, D), float32 on the CPU, any strides with D contiguous -> (1, total, H x D).
     ``longest``: the longest sequence's tokens. One C pass each way (``attention_kernels.c``), nothing
     computed for padding or above the diagonal; query head h reads key/value head h // (H / KV), as

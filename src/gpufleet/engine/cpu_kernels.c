@@ -3,7 +3,7 @@
    A decode step multiplies a few rows (one per sequence) by every weight of the model, so each weight is
    read from memory once per step and used for only M rows: a general GEMM (MKL, OpenBLAS) spends much
    of that step re-packing the weight and waiting for it. Here the weight is packed once per rollout
-   (rl/cpu_kernels.py: W (K x N) as N16 panels of 16 columns, P[n][k][0..15], zero-padded past N), and a
+   (engine/cpu_kernels.py: W (K x N) as N16 panels of 16 columns, P[n][k][0..15], zero-padded past N), and a
    panel (K x 16) is streamed in order, prefetched 16 KiB ahead, and used from L1 by every block of rows:
    up to 6 rows x 16 columns of accumulators (12 ymm registers). A block of r rows is r x 2 chains of
    fused multiply-adds: below 4 rows the chains' latency, not the FMA units, bounds its time, so where 6-row
@@ -81,7 +81,7 @@ void gpufleet_gemm(int M, int K, int N16, const float* x, long ldx, const float*
   }
 }
 
-/* ---- One decode step of a Llama / Qwen2 / Qwen3 / Mistral model (rl/fastdecode.py's step, in C) ----
+/* ---- One decode step of a Llama / Qwen2 / Qwen3 / Mistral model (engine/fastdecode.py's step, in C) ----
 
    The same arithmetic as FastDecoder.step (and so as the Hugging Face modules), op for op, on
    preallocated buffers: RMSNorm, the q/k/v projection, Qwen3's q/k norm, RoPE from the caller's cos /
@@ -300,7 +300,7 @@ int gpufleet_decode_step(const gf_step* s) {
   return 0;
 }
 
-/* ---- sampling: what rl/sampling.py computes with torch ops, bit for bit --------------------------- */
+/* ---- sampling: what engine/sampling.py computes with torch ops, bit for bit --------------------------- */
 #include <float.h>
 #include <stdint.h>
 
@@ -336,7 +336,7 @@ void gpufleet_sample_pick(const float* probs, long rows, long vocab, const doubl
     for (long r = 0; r < rows; r++) out[r] = pick_row(probs + r * vocab, vocab, uniforms[r * ustride]);
 }
 
-/* One step t of the CPU decode loop after its softmax (rl/nativeloop.py), for the n rows the decoder
+/* One step t of the CPU decode loop after its softmax (engine/nativeloop.py), for the n rows the decoder
    still runs: rows[i] is the batch row of decoder row i. A row done before this step gets the pad token,
    a live one its pick (uniforms[rows[i] * ustride]); the token goes to out[rows[i] * out_stride + t] and
    to next[i] (the token fed at step t + 1), whose position positions[i] advances by one from step 1 on.

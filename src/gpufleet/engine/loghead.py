@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gpufleet.rl.sampling import suppress_early, suppress_logits
+from gpufleet.engine.sampling import suppress_early, suppress_logits
 
 __all__ = ["FUSED_CLASSES", "CHUNK_ELEMENTS", "LogprobHead", "causal_lm", "fused_head", "token_stats"]
 

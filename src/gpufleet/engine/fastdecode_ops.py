@@ -1,4 +1,4 @@
-"""The pieces of a fast decoder step, op by op as in the Hugging Face modules (see rl/fastdecode.py):
+"""The pieces of a fast decoder step, op by op as in the Hugging Face modules (see engine/fastdecode.py):
 RMSNorm, the linear projections in the weight layout that reads fastest, one decoder layer's weights
 read into them, RoPE, and the grouping of repeated prompts."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpufleet.rl import cpu_kernels
+from gpufleet.engine import cpu_kernels
 
 __all__ = ["PROJECTIONS", "Norm", "Linear", "Layer", "rope", "distinct_rows"]
 

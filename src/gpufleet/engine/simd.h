@@ -1,5 +1,5 @@
-/* What rl/cpu_kernels.c (the decode step), rl/layer_kernels.c (the training layers) and
-   rl/attention_kernels.c (a packed row's attention) share: AVX2 + FMA intrinsics, a vectorised exp, a lane
+/* What engine/cpu_kernels.c (the decode step), engine/layer_kernels.c (the training layers) and
+   engine/attention_kernels.c (a packed row's attention) share: AVX2 + FMA intrinsics, a vectorised exp, a lane
    sum and a dot product. */
 #ifndef GPUFLEET_SIMD_H
 #define GPUFLEET_SIMD_H

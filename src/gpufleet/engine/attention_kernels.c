@@ -1,4 +1,4 @@
-/* Causal attention within each sequence of a packed row (rl/packedattention.py), forward and backward.
+/* Causal attention within each sequence of a packed row (engine/packedattention.py), forward and backward.
 
    The packed row's sequences lie end to end; cu[s] .. cu[s + 1] are sequence s's tokens. A query sees the
    keys of its own sequence up to itself, the last `window` of them (window <= 0: all). Query head h reads

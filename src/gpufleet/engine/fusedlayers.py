@@ -13,7 +13,7 @@ with its backward) is one pass (``gpufleet_rope_*``) that also writes q and k in
 and SDPA gets the key/value heads with ``enable_gqa`` instead of ``repeat_kv``'s copies for every query
 head (Hugging Face passes ``enable_gqa`` only without a mask, for CUDA's sake); the ``small`` model's
 forward + backward took 12% less time so (387 vs 439 ms, best of 12 alternating runs). A packed row
-(rl/packing.py) attends within each of its sequences (``packed_attention``, a C kernel; ``packed_mask`` for a
+(engine/packing.py) attends within each of its sequences (``packed_attention``, a C kernel; ``packed_mask`` for a
 module's own forward).
 
 ``fused_layers(model)`` swaps the ``forward`` of the supported modules (``NORM_CLASSES``,
@@ -41,9 +41,9 @@ from collections.abc import Iterator
 
 import torch
 
-from gpufleet.rl import cpu_kernels
-from gpufleet.rl.packedattention import packed_attention, packed_mask, window_of
-from gpufleet.rl.switches import FUSED_LAYERS, switched_off
+from gpufleet.engine import cpu_kernels
+from gpufleet.engine.packedattention import packed_attention, packed_mask, window_of
+from gpufleet.engine.switches import FUSED_LAYERS, switched_off
 
 __all__ = [
     "ATTENTION_CLASSES",
@@ -268,7 +268,7 @@ def attention(
     )
     batch, tokens = hidden_states.shape[:2]
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None and own:  # a packed row (rl/packing.py) through the module's own forward
+    if cu is not None and own:  # a packed row (engine/packing.py) through the module's own forward
         attention_mask = packed_mask(cu, tokens, window_of(module))  # the model was given a placeholder
         if module.config._attn_implementation == "eager":  # an additive mask, as HF's eager_mask
             attention_mask = hidden_states.new_zeros(attention_mask.shape).masked_fill(
@@ -304,7 +304,7 @@ def attention(
 
 
 def packs(model: torch.nn.Module) -> bool:
-    """Whether a packed forward of ``model`` (rl/packing.py) runs every attention module fused, each
+    """Whether a packed forward of ``model`` (engine/packing.py) runs every attention module fused, each
     attending within the packed sequences at the cost of their own lengths (SDPA the attention function,
     no attention dropout in training, no autocast); see ``_swaps`` for the rest."""
     if torch.is_autocast_enabled("cpu"):

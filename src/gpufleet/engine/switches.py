@@ -11,14 +11,14 @@ from collections.abc import Mapping
 __all__ = ["FUSED_LAYERS", "FUSED_LOGPROBS", "PACKED", "switched_off"]
 
 FUSED_LAYERS = "GPUFLEET_FUSED_LAYERS"
-"""Set to 0 to run the models' own RMSNorm, attention and MLP code in the training forward on CPU (rl/fusedlayers.py;
+"""Set to 0 to run the models' own RMSNorm, attention and MLP code in the training forward on CPU (engine/fusedlayers.py;
 named here for the planner, which imports no torch)."""
 
 FUSED_LOGPROBS = "GPUFLEET_FUSED_LOGPROBS"
-"""Set to 0 to take the log-probs from the completion's whole logits (rl/loghead.py; packing needs the fused head)."""
+"""Set to 0 to take the log-probs from the completion's whole logits (engine/loghead.py; packing needs the fused head)."""
 
 PACKED = "GPUFLEET_PACKED"
-"""Set to 0 to run the CPU training forward on the padded micro-batch, not its sequences packed (rl/packing.py)."""
+"""Set to 0 to run the CPU training forward on the padded micro-batch, not its sequences packed (engine/packing.py)."""
 
 _OFF = ("0", "false", "no", "off")
 
