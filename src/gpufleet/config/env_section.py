@@ -53,6 +53,16 @@ class EnvSection(Section):
     would go past it is truncated. None: max_turns x (max_action_tokens + max_observation_tokens).
     The trained sequence is rollout.max_prompt_length + this."""
 
+    reset_timeout: float = Field(600.0, gt=0)
+    """Seconds making one environment may take, and then its `reset(seed=)` (each), in a server or in the
+    trainer (env.servers: 0). From a few seconds on the run says which call it waits for ("waiting for
+    Sokoban.reset (episode g0r3, seed 12) for 5 s"); past this limit it stops with one line naming the
+    class, the method, the episode, the server and the file:line where the environment is stuck. Raise
+    it for an environment whose reset legitimately takes minutes (a simulator that boots)."""
+
+    step_timeout: float = Field(600.0, gt=0)
+    """Seconds one `step(action)` (or `close()`) may take; as env.reset_timeout (the action is quoted)."""
+
     instructions: str | None = None
     """Text put before the first observation. None: the environment's own `instructions`."""
 

@@ -17,6 +17,12 @@ pool checks it (stats lost / duplicated). A call that raises applied nothing as 
 episodes of a failed step call are replayed from the record before their next use, those of a failed
 reset must be reset again. An environment error (500 with env_error) raises `base.EnvError`, not
 retried; any other 4xx is a bug: EnvServerError. An EnvPool serves one caller at a time (a lock).
+
+Deadlines: every request tells the server how long each environment call may take (`reset_timeout`,
+`step_timeout`: env.reset_timeout / env.step_timeout); the server answers a call past it with the call,
+its class, episode, action and file:line (`runner.EnvTimeout`, raised here naming the server by its index
+in the run, as its log file is named). The socket waits that long per episode of the batch plus `timeout`
+s. While a call is slow the pool says so (watchdog heartbeats), naming the call the server reports busy.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.env.base import EnvError
+from gpufleet.env.runner import DEFAULT_TIMEOUT, EnvTimeout, stderr
 from gpufleet.env.table import STATS, LocalPool, check_distinct
 from gpufleet.env.wire import EnvServerError, health, parse_address, read_servers_json, request
+from gpufleet.watchdog import HEARTBEAT_EVERY, HEARTBEAT_FIRST, deadline
 
 __all__ = ["STATS", "EnvPool", "EnvServerError", "LocalPool", "health", "parse_address", "request"]
 
@@ -68,9 +76,15 @@ class EnvPool:
         addresses: list[str] | Callable[[], list[str]],
         token: str,
         *,
-        timeout: float = 60.0,
+        timeout: float = 30.0,
         retry_for: float = 120.0,
+        reset_timeout: float = DEFAULT_TIMEOUT,
+        step_timeout: float = DEFAULT_TIMEOUT,
+        labels: list[int] | None = None,
+        say: Callable[[str], None] = stderr,
     ):
+        """`timeout`: seconds a server may take to answer beyond its environment calls' limits;
+        `labels`: each address's server index in the run (default 0, 1, ...), as messages name them."""
         self._source = addresses if callable(addresses) else (lambda: list(addresses))
         self._addresses = list(self._source())
         if not self._addresses:
@@ -78,6 +92,8 @@ class EnvPool:
         for address in self._addresses:
             parse_address(address)  # a malformed one fails now, not at the first failure
         self.token, self.timeout, self.retry_for = token, timeout, retry_for
+        self.limits = {"/reset": reset_timeout, "/step": step_timeout, "/close": step_timeout}
+        self.labels, self.say = list(labels or range(len(self._addresses))), say
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._episodes: dict[str, _Episode] = {}
         self._load = [0] * len(self._addresses)
@@ -90,7 +106,7 @@ class EnvPool:
         """The servers listed in the manager's servers.json (`only`: those indices), re-read on failure;
         the token from the token file named there."""
         addresses, token = read_servers_json(Path(servers_json), only)
-        return cls(addresses, token, **kw)
+        return cls(addresses, token, labels=only, **kw)
 
     def reset(self, items: list[tuple[str, int]]) -> list[tuple[str, dict]]:
         """Start (or restart) episodes: (id, seed) -> (observation, info), in input order."""
@@ -165,12 +181,16 @@ class EnvPool:
             except (EnvError, EnvServerError) as e:
                 return e
 
-        if len(groups) > 1:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(len(self._addresses), thread_name_prefix="envpool")
-            replies = dict(zip(groups, self._executor.map(run, groups), strict=True))
-        else:
-            replies = {server: run(server) for server in groups}
+        first = min(HEARTBEAT_FIRST, self.limits[path] / 2)
+        with deadline(
+            _Busy(self, path, sorted(groups)), None, first=first, every=HEARTBEAT_EVERY, say=self.say
+        ):
+            if len(groups) > 1:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(len(self._addresses), thread_name_prefix="envpool")
+                replies = dict(zip(groups, self._executor.map(run, groups), strict=True))
+            else:
+                replies = {server: run(server) for server in groups}
         errors = [replies[s] for s in sorted(groups) if isinstance(replies[s], Exception)]
         if errors:  # applied nothing, as this pool sees it: replay (step) or reset again (reset)
             for item in items:
@@ -201,7 +221,7 @@ class EnvPool:
                 self.stats["lost" if steps < len(ep.actions) else "duplicated"] += 1
             ep.stale = True
             return (
-                f"env server {ep.server} ({self._addresses[ep.server]}) has applied {steps} steps to "
+                f"{self.name(ep.server)} has applied {steps} steps to "
                 f"episode {eid!r}, this pool {len(ep.actions)}: a step was lost or applied twice (a bug)"
             )
         return None
@@ -223,9 +243,8 @@ class EnvPool:
                 deadline = deadline or time.monotonic() + self.retry_for
                 if time.monotonic() > deadline:  # healthy, yet this request keeps failing (e.g. timeouts)
                     raise EnvServerError(
-                        f"env server {server} ({self._addresses[server]}) kept failing {path} for "
-                        f"{self.retry_for:g} s: {e}. Check its log (OUTPUT/logs/env-server-{server}.log); "
-                        f"an environment slower than the timeout ({self.timeout:g} s) needs a longer one"
+                        f"{self.name(server)} kept failing {path} for {self.retry_for:g} s: {e}. Check its "
+                        f"log (OUTPUT/logs/env-server-{self.labels[server]}.log)"
                     ) from None
                 self._wait_healthy(server, deadline, str(e))
                 continue
@@ -238,11 +257,12 @@ class EnvPool:
                 continue
             for eid in ids:
                 self._episodes[eid].stale = True
+            if reply.get("env_error") and isinstance(reply.get("timeout"), dict):
+                raise EnvTimeout(reply["timeout"], server=self.name(server))
             if reply.get("env_error"):
                 raise EnvError(str(reply.get("error")))
             raise EnvServerError(
-                f"env server {server} ({self._addresses[server]}) answered {path} with {status}: "
-                f"{reply.get('error', reply)}"
+                f"{self.name(server)} answered {path} with {status}: {reply.get('error', reply)}"
             )
 
     def _replay(self, server: int, ids: list[str]) -> None:
@@ -258,9 +278,11 @@ class EnvPool:
             )
         for k, batch in enumerate(rounds):
             status, reply = self._send(server, "/step" if k else "/reset", {"episodes": batch})
+            if status == 500 and isinstance(reply.get("timeout"), dict):
+                raise EnvTimeout(reply["timeout"], server=self.name(server))
             if status != 200:
                 raise EnvServerError(
-                    f"replaying {len(ids)} episodes on env server {server} failed ({status}: "
+                    f"replaying {len(ids)} episodes on {self.name(server)} failed ({status}: "
                     f"{reply.get('error')}): is the environment deterministic given its seed?"
                 )
             for item, result in zip(batch, reply["results"], strict=True):
@@ -271,7 +293,7 @@ class EnvPool:
                 if now != recorded:
                     raise EnvServerError(
                         f"environment is not deterministic given its seed: cannot retry episode {item['id']!r}"
-                        f" after env server {server} failed ({'step ' + str(k) if k else 'reset'} gave "
+                        f" after {self.name(server)} failed ({'step ' + str(k) if k else 'reset'} gave "
                         f"{now!r:.100}, first {recorded!r:.100}). Fix: make reset(seed=...) and step() depend "
                         "only on the seed and the actions (seed every random generator in reset), or set "
                         "env.servers: 0 (no servers, no retries)"
@@ -279,6 +301,10 @@ class EnvPool:
         for ep in eps.values():
             ep.stale = False
         self._count("replays", len(ids))
+
+    def name(self, server: int) -> str:
+        """'env server <index in the run> (<address>)'."""
+        return f"env server {self.labels[server]} ({self._addresses[server]})"
 
     def _send(self, server: int, path: str, body: dict) -> tuple[int, dict]:
         """One POST to `server`; _Down for a transport failure or a 5xx that is not an env error."""
@@ -288,6 +314,13 @@ class EnvPool:
             if conn is not None:
                 conn.http.close()
             conn = self._conns[server] = _Conn(address, self.timeout)
+        limit = self.limits[path]
+        n = len(body.get("episodes", body.get("ids", [])))  # a reset: making the env, then its reset
+        wait = (2 if path == "/reset" else 1) * max(n, 1) * limit + self.timeout
+        conn.http.timeout = wait
+        if conn.http.sock is not None:
+            conn.http.sock.settimeout(wait)
+        body = body | {"timeout": limit}
         self._count("requests")
         try:
             status, reply = request(conn.http, "POST", path, self.token, body)
@@ -299,7 +332,7 @@ class EnvPool:
         if status >= 500 and not reply.get("env_error"):
             raise _Down(f"HTTP {status}: {reply.get('error')}")
         if status == 401:
-            raise EnvServerError(f"env server {server} ({address}) refused the token: {reply.get('error')}")
+            raise EnvServerError(f"{self.name(server)} refused the token: {reply.get('error')}")
         return status, reply
 
     def _wait_healthy(self, server: int, deadline: float, why: str) -> None:
@@ -322,14 +355,31 @@ class EnvPool:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if time.monotonic() > deadline:
                 raise EnvServerError(
-                    f"env server {server} at {self._addresses[server]} has not answered for "
+                    f"env server {self.labels[server]} at {self._addresses[server]} has not answered for "
                     f"{self.retry_for:g} s ({why}). Check that it is running and its log "
-                    f"(OUTPUT/logs/env-server-{server}.log), or give it longer (retry_for)"
+                    f"(OUTPUT/logs/env-server-{self.labels[server]}.log)"
                 )
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self.stats[key] += n
+
+
+class _Busy:
+    """What a heartbeat says the pool waits for: the call a server of the request reports running."""
+
+    def __init__(self, pool: EnvPool, path: str, servers: list[int]):
+        self.pool, self.path, self.servers = pool, path, servers
+
+    def __str__(self) -> str:
+        for server in self.servers:
+            try:
+                busy = health(self.pool._addresses[server], self.pool.token, timeout=1.0).get("busy")
+            except (OSError, http.client.HTTPException, EnvServerError):
+                return f"{self.pool.name(server)} ({self.path}; it does not answer /health)"
+            if busy:
+                return f"{busy['call']} on {self.pool.name(server)}"
+        return ", ".join(self.pool.name(s) for s in self.servers) + f" ({self.path})"
 
 
 def _step_key(result: dict) -> tuple:

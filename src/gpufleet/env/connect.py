@@ -23,12 +23,13 @@ def open_pool(job, rt, run_dir: Path):
     from gpufleet.env import client
 
     cfg = job.env
+    limits = {"reset_timeout": cfg.reset_timeout, "step_timeout": cfg.step_timeout}
     if cfg.address:
-        return client.EnvPool(list(cfg.address), read_token(cfg.token_file))
+        return client.EnvPool(list(cfg.address), read_token(cfg.token_file), **limits)
     if cfg.servers == 0:
         from gpufleet.env.source import factory
 
-        return client.LocalPool(factory(cfg.name, dict(cfg.kwargs)), cfg.name)
+        return client.LocalPool(factory(cfg.name, dict(cfg.kwargs)), cfg.name, **limits)
     servers_json = servers_file(run_dir, rt.node_rank)
     if not servers_json.exists():
         raise UserError(
@@ -36,7 +37,8 @@ def open_pool(job, rt, run_dir: Path):
             field="env.servers",
             fix="start the run with gpufleet train (it starts the servers), or give env.address",
         )
-    return client.EnvPool.from_file(servers_json, only=server_indices(servers_json, rt, job.launch.nnodes))
+    only = server_indices(servers_json, rt, job.launch.nnodes)
+    return client.EnvPool.from_file(servers_json, only=only, **limits)
 
 
 def server_indices(servers_json: Path, rt, nnodes: int = 1) -> list[int]:
@@ -81,11 +83,19 @@ def env_errors(job):
     environment that raises or returns junk (its file:line), a server unreachable past the retry
     window, a refused token, a non-deterministic replay."""
     from gpufleet.env.base import EnvError
+    from gpufleet.env.runner import EnvTimeout
     from gpufleet.env.wire import EnvServerError
 
     cfg = job.env
     try:
         yield
+    except EnvTimeout as e:
+        raise UserError(
+            f"the environment is stuck: {e}.",
+            field=e.setting,
+            fix=f"find why it does not return {'there' if e.wire.get('where') else 'in time'}, or, for an "
+            f"environment this slow on purpose, --set {e.setting}={4 * e.wire['limit']:g}",
+        ) from None
     except EnvError as e:
         raise UserError(
             f"the environment failed: {e}.",

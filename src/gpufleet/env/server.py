@@ -1,13 +1,21 @@
 """One environment server process: a run's environments behind batch HTTP endpoints.
 
     python -m gpufleet.env.server --env NAME [--kwargs JSON] [--folder DIR]... [--host 127.0.0.1]
-        [--port 0] --token-file PATH --ready-file PATH [--parent-pid PID] [--max-body BYTES]
+        [--port 0] --token-file PATH --ready-file PATH [--parent-pid PID] [--max-body BYTES] [--timeout S]
 
-    GET  /health  -> {"ok": true, "env", "episodes": <live>, "pid"}
+    GET  /health  -> {"ok": true, "env", "episodes": <live>, "pid", "busy": null | {"call", "for"}}
     POST /reset   {"episodes": [{"id", "seed"}, ...]}   -> {"results": [{"id", "observation", "info"}]}
     POST /step    {"episodes": [{"id", "action"}, ...]} -> {"results": [{"id", "observation", "reward",
                                                             "terminated", "truncated", "info", "steps"}]}
     POST /close   {"ids": [...]}                         -> {"closed": n}
+
+A /reset, /step or /close body may add "timeout": the seconds each environment call of it may take (the
+client sends env.reset_timeout / env.step_timeout; default --timeout, 600). The environments run on a
+thread of their own (runner.py), so the server keeps answering while one is slow: /health says which call
+runs and for how long, the log gets a heartbeat, and a call past its limit is answered with 500
+`{"env_error": true, "timeout": {"name", "call", "method", "limit", "where"}}` -- where: the
+environment's file:line, read from that thread's stack. A stuck call is not interrupted: later requests
+are answered with the same timeout at once, until it returns.
 
 Every request carries `Authorization: Bearer <token>`; the token is read from a file (never argv) and
 compared in constant time. Results come in request order; `steps` is the episode's step count since its
@@ -15,8 +23,8 @@ reset (the client checks it: no step lost or applied twice). A reset makes a fre
 (an existing id is replaced: that is how a client replays). Errors are `{"error": "<one line>"}`: 400 a
 malformed request (naming the field), 401 the token, 404 an unknown episode, 409 a step after the
 episode ended, 413 a body over --max-body, 500 with `"env_error": true` the environment raised or
-returned junk. A request is validated whole before any environment is touched; the server keeps
-serving after every error. Environments run synchronously in the handlers (one at a time, in order).
+returned junk (or timed out). A request is validated whole before any environment is touched; the
+server keeps serving after every error. Environments run one call at a time, in request order.
 
 Once listening it writes {"host", "port", "pid"} to the ready file (atomically; --port 0: the OS picks).
 An orphan exits: PR_SET_PDEATHSIG on Linux, and a thread that watches --parent-pid and getppid().
@@ -46,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.env.base import EnvError
+from gpufleet.env.runner import DEFAULT_TIMEOUT, TICK_S, EnvTimeout, Runner, Waiter, stderr
 from gpufleet.env.table import EpisodeEnded, Episodes, UnknownEpisode
 from gpufleet.env.wire import MAX_BATCH, MAX_ID, write_atomic
 
@@ -59,7 +68,7 @@ class BadRequest(Exception):
 def parse_batch(body: Any, kind: str) -> list[dict]:
     """The validated episodes of a /reset (id, seed) or /step (id, action) body; BadRequest if wrong."""
     value = "seed" if kind == "reset" else "action"
-    if not isinstance(body, dict) or set(body) != {"episodes"}:
+    if not isinstance(body, dict) or not {"episodes"} <= set(body) <= {"episodes", "timeout"}:
         raise BadRequest(f'the body must be {{"episodes": [{{"id": ..., "{value}": ...}}, ...]}}')
     items = body["episodes"]
     if not isinstance(items, list):
@@ -81,9 +90,18 @@ def parse_batch(body: Any, kind: str) -> list[dict]:
     return items
 
 
+def parse_timeout(body: dict, default: float) -> float:
+    """The body's "timeout" (seconds per environment call), or `default`; BadRequest if not > 0."""
+    limit = body.get("timeout", default)
+    if not isinstance(limit, int | float) or isinstance(limit, bool) or not 0 < limit < 1e9:
+        raise BadRequest(f"timeout must be a number of seconds > 0, got {_short(limit)}")
+    return float(limit)
+
+
 def parse_ids(body: Any) -> list[str]:
     """The ids of a /close body; BadRequest if wrong."""
-    if not isinstance(body, dict) or set(body) != {"ids"} or not isinstance(body["ids"], list):
+    ok = isinstance(body, dict) and {"ids"} <= set(body) <= {"ids", "timeout"}
+    if not ok or not isinstance(body["ids"], list):
         raise BadRequest('the body must be {"ids": [<episode id>, ...]}')
     if len(body["ids"]) > MAX_BATCH:
         raise BadRequest(f"ids has {len(body['ids'])} items, over the limit of {MAX_BATCH}")
@@ -110,39 +128,73 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def make_app(table: Episodes, token: str, max_body: int = MAX_BODY):
-    """The aiohttp application serving `table` (aiohttp is imported here, not at module level)."""
+def make_app(table: Episodes, token: str, max_body: int = MAX_BODY, timeout: float = DEFAULT_TIMEOUT):
+    """The aiohttp application serving `table` (aiohttp is imported here, not at module level); its
+    environments run on `runner` (app["runner"])."""
     from aiohttp import web
 
+    runner = Runner(table)
+
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "env": table.name, "episodes": len(table), "pid": os.getpid()})
+        reply = {"ok": True, "env": table.name, "episodes": len(table), "pid": os.getpid()}
+        return web.json_response(reply | {"busy": runner.busy()})
 
     async def reset(request: web.Request) -> web.Response:
-        results = []
-        for item in parse_batch(await _body(request), "reset"):
-            obs, info = table.reset(item["id"], item["seed"])
-            results.append({"id": item["id"], "observation": obs, "info": info})
-        return web.json_response({"results": results})
+        body = await _body(request)
+        items = parse_batch(body, "reset")
+
+        def job() -> list[dict]:
+            results = []
+            for item in items:
+                obs, info = table.reset(item["id"], item["seed"])
+                results.append({"id": item["id"], "observation": obs, "info": info})
+            return results
+
+        return web.json_response({"results": await _run(runner, job, parse_timeout(body, timeout))})
 
     async def step(request: web.Request) -> web.Response:
-        items = parse_batch(await _body(request), "step")
-        table.check_steppable([item["id"] for item in items])
-        results = []
-        for item in items:
-            obs, reward, terminated, truncated, info, steps = table.step(item["id"], item["action"])
-            results.append(
-                {"id": item["id"], "observation": obs, "reward": reward, "terminated": terminated}
-                | {"truncated": truncated, "info": info, "steps": steps}
-            )
-        return web.json_response({"results": results})
+        body = await _body(request)
+        items = parse_batch(body, "step")
+        limit = parse_timeout(body, timeout)
+
+        def job() -> list[dict]:
+            table.check_steppable([item["id"] for item in items])  # on the runner's thread: in order
+            results = []
+            for item in items:
+                obs, reward, terminated, truncated, info, steps = table.step(item["id"], item["action"])
+                results.append(
+                    {"id": item["id"], "observation": obs, "reward": reward, "terminated": terminated}
+                    | {"truncated": truncated, "info": info, "steps": steps}
+                )
+            return results
+
+        return web.json_response({"results": await _run(runner, job, limit)})
 
     async def close(request: web.Request) -> web.Response:
-        return web.json_response({"closed": table.close(parse_ids(await _body(request)))})
+        body = await _body(request)
+        ids, limit = parse_ids(body), parse_timeout(body, timeout)
+        return web.json_response({"closed": await _run(runner, lambda: table.close(ids), limit)})
 
     app = web.Application(client_max_size=max_body, middlewares=[_guard(token, max_body)])
     app.add_routes([web.get("/health", health), web.post("/reset", reset), web.post("/step", step)])
     app.add_routes([web.post("/close", close)])
+    app["runner"] = runner
     return app
+
+
+async def _run(runner: Runner, job: Callable[[], Any], limit: float) -> Any:
+    """`job` on the runner's thread; heartbeats to the log while a call is slow; EnvTimeout past `limit`."""
+    future, waiter = runner.submit(job, limit), Waiter(runner, stderr)
+    wrapped = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({wrapped}, timeout=TICK_S)
+        if done:
+            return wrapped.result()
+        try:
+            waiter.tick(future)
+        except EnvTimeout:
+            wrapped.cancel()  # a late result of the stuck call goes nowhere
+            raise
 
 
 def _guard(token: str, max_body: int):
@@ -167,6 +219,8 @@ def _guard(token: str, max_body: int):
             return error(400, str(e))
         except (UnknownEpisode, EpisodeEnded) as e:
             return error(e.status, str(e))
+        except EnvTimeout as e:
+            return error(500, str(e), env_error=True, timeout=e.wire)
         except EnvError as e:
             return error(500, str(e), env_error=True)
         except web.HTTPRequestEntityTooLarge:
@@ -187,11 +241,12 @@ async def _body(request: Any) -> Any:
         raise BadRequest(f"the body is not JSON ({e})") from None
 
 
-async def serve(table: Episodes, token: str, args: argparse.Namespace) -> None:
-    """Listen, write the ready file, serve until SIGTERM / SIGINT."""
+async def serve(table: Episodes, token: str, args: argparse.Namespace) -> bool:
+    """Listen, write the ready file, serve until SIGTERM / SIGINT; whether an environment call is stuck."""
     from aiohttp import web
 
-    runner = web.AppRunner(make_app(table, token, args.max_body), access_log=None, shutdown_timeout=2.0)
+    app = make_app(table, token, args.max_body, args.timeout)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.create_server((args.host, args.port), family=family)
@@ -204,6 +259,7 @@ async def serve(table: Episodes, token: str, args: argparse.Namespace) -> None:
     print(f"env server: {table.name} on {args.host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
     await stop.wait()
     await runner.cleanup()
+    return app["runner"].stuck()
 
 
 def orphan_safety(parent_pid: int | None) -> None:
@@ -246,6 +302,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ready-file", required=True)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body in bytes")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds an env call may take (unless a request says)",
+    )
     return ap.parse_args(argv)
 
 
@@ -263,14 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         fix = " Fix: check env.kwargs and the environment's constructor" if isinstance(e, EnvError) else ""
         print(f"env server: {e}{fix}".replace("\n", " "), file=sys.stderr)
         return EXIT_USER_ERROR
+    stuck = False
     try:
-        asyncio.run(serve(table, token, args))
+        stuck = asyncio.run(serve(table, token, args))
     except KeyboardInterrupt:
         pass
     except OSError as e:  # cannot listen: the port is taken, the host is not this machine's
         print(f"env server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    table.close_all()
+    if not stuck:  # an environment stuck in a call is left alone (its thread ends with the process)
+        table.close_all()
     return 0
 
 

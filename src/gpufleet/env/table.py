@@ -3,7 +3,8 @@
 An environment server (server.py) keeps its episodes in an `Episodes`; `LocalPool` (env.servers: 0)
 answers the pool calls of client.py from one in process, so both sides behave the same: a fresh
 environment per reset (an existing id is replaced), the step count since reset, UnknownEpisode (404) for
-an id not open, EpisodeEnded (409) for a step after the episode ended, info dicts made JSON-safe.
+an id not open, EpisodeEnded (409) for a step after the episode ended, info dicts made JSON-safe; and
+both run the environments on a `Runner` (runner.py), so each call has a deadline and a voice.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from gpufleet.env import base
 from gpufleet.env.base import EnvError
+from gpufleet.env.runner import DEFAULT_TIMEOUT, Call, Runner, action_detail, stderr
 from gpufleet.env.wire import EnvServerError, jsonable
 
 STATS = ("requests", "retries", "replays", "lost", "duplicated")
@@ -38,6 +40,8 @@ class Episodes:
 
     def __init__(self, make: Callable[[], Any], name: str):
         self.make, self.name = make, name
+        self.now: Call | None = None  # the environment call running now (runner.py reads it)
+        self._cls = name.rsplit(":", 1)[-1]  # the class's name once one is made
         self._live: dict[str, _Live] = {}
         self._spare: Any = None
 
@@ -52,12 +56,15 @@ class Episodes:
         old = self._live.pop(eid, None)
         if old is not None:
             _close(old.env)
-        env = self._new()
+        env = self._new(eid, seed)
+        self.now = Call(self._cls, "reset", eid, f"seed {seed}")
         try:
             obs, info = base.checked_reset(env, seed, self.name)
         except EnvError:
             _close(env)
             raise
+        finally:
+            self.now = None
         info = jsonable(info)
         if base.instructions(env) and "instructions" not in info:
             info["instructions"] = base.instructions(env)
@@ -78,35 +85,45 @@ class Episodes:
     def step(self, eid: str, action: str) -> tuple[str, float, bool, bool, dict, int]:
         """One step -> (observation, reward, terminated, truncated, info, steps since reset)."""
         live = self._live[eid]
+        self.now = Call(self._cls, "step", eid, action_detail(action))
         try:
             obs, reward, terminated, truncated, info = base.checked_step(live.env, action, self.name)
         except EnvError:
             live.ended = "ended with an environment error"
             raise
+        finally:
+            self.now = None
         live.steps += 1
         if terminated or truncated:
             live.ended = "terminated" if terminated else "been truncated"
         return obs, reward, terminated, truncated, jsonable(info), live.steps
 
     def close(self, ids: list[str]) -> int:
-        closed = [self._live.pop(eid) for eid in dict.fromkeys(ids) if eid in self._live]
-        for live in closed:
+        closed = [(eid, self._live.pop(eid)) for eid in dict.fromkeys(ids) if eid in self._live]
+        for eid, live in closed:
+            self.now = Call(self._cls, "close", eid)
             _close(live.env)
+        self.now = None
         return len(closed)
 
     def close_all(self) -> None:
         self.close(list(self._live))
 
-    def _new(self) -> Any:
+    def _new(self, eid: str = "", seed: int | None = None) -> Any:
         if self._spare is not None:
             env, self._spare = self._spare, None
             return env
+        self.now = Call(self._cls, "__init__", eid, "" if seed is None else f"seed {seed}")
         try:
-            return self.make()
+            env = self.make()
+            self._cls = type(env).__name__
+            return env
         except Exception as e:
             raise EnvError(
                 f"{self.name}: making the environment raised {type(e).__name__}: {e}{base.where(e)}"
             ) from None
+        finally:
+            self.now = None
 
 
 def _close(env: Any) -> None:
@@ -119,30 +136,44 @@ def _close(env: Any) -> None:
 
 
 class LocalPool:
-    """The same calls on environments in this process (env.servers: 0): no server, no retries."""
+    """The same calls on environments in this process (env.servers: 0): no server, no retries; each
+    environment call bounded by `reset_timeout` (making it and its reset) or `step_timeout` (a step, a
+    close), with heartbeats to `say` while one is slow (runner.py)."""
 
-    def __init__(self, make: Callable[[], Any], name: str):
-        self.name = name
+    def __init__(
+        self,
+        make: Callable[[], Any],
+        name: str,
+        *,
+        reset_timeout: float = DEFAULT_TIMEOUT,
+        step_timeout: float = DEFAULT_TIMEOUT,
+        say: Callable[[str], None] = stderr,
+    ):
+        self.name, self.reset_timeout, self.step_timeout, self.say = name, reset_timeout, step_timeout, say
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._table = Episodes(make, name)
+        self._runner = Runner(self._table)
 
     def reset(self, items: list[tuple[str, int]]) -> list[tuple[str, dict]]:
         check_distinct([i for i, _ in items])
         self.stats["requests"] += 1
-        return [self._table.reset(eid, seed) for eid, seed in items]
+        job = lambda: [self._table.reset(eid, seed) for eid, seed in items]  # noqa: E731
+        return self._runner.run(job, self.reset_timeout, self.say)
 
     def step(self, items: list[tuple[str, str]]) -> list[tuple[str, float, bool, bool, dict]]:
         check_distinct([i for i, _ in items])
         self.stats["requests"] += 1
         self._table.check_steppable([eid for eid, _ in items])
-        return [self._table.step(eid, action)[:5] for eid, action in items]
+        job = lambda: [self._table.step(eid, action)[:5] for eid, action in items]  # noqa: E731
+        return self._runner.run(job, self.step_timeout, self.say)
 
     def close(self, ids: list[str]) -> None:
-        self._table.close(ids)
+        self._runner.run(lambda: self._table.close(ids), self.step_timeout, self.say)
 
     def shutdown(self) -> None:
-        """Close every environment."""
-        self._table.close_all()
+        """Close every environment (not while one is stuck in a call: that one never returned)."""
+        if not self._runner.stuck():
+            self._runner.run(self._table.close_all, self.step_timeout, self.say)
 
 
 def check_distinct(ids: list[str]) -> None:
