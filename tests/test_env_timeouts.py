@@ -155,3 +155,19 @@ def test_in_process_limits_bound_making_resetting_and_stepping(tmp_path, monkeyp
     patient = pool(5.0, seconds=1.0)  # slow on purpose: a longer limit
     patient.reset([("a", 1)])
     assert [r[0] for r in patient.step([("a", "x")]) + patient.step([("a", "y")])] == ["\ngo:", "\ngo:"]
+
+
+def test_a_server_whose_constructor_hangs_quotes_where_in_its_log(tmp_path):
+    """A server makes one environment before it is ready; past env.reset_timeout it writes its stack to
+    its log, and the start failure quotes it (the constructor's file:line)."""
+    from gpufleet.errors import UserError
+
+    write_env(tmp_path)
+    servers = EnvServers(
+        "my_env:Hang", {"hang_in": "init"}, [str(tmp_path)], 1, tmp_path / "run", reset_timeout=1
+    )
+    with pytest.raises(UserError, match="did not become ready in time") as err:
+        with servers:
+            servers.start(timeout=4)
+    assert f'my_env.py", line {INIT_LINE} in __init__' in str(err.value), str(err.value)
+    assert all(not psutil.pid_exists(p) for p in servers.pids())

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import faulthandler
 import hmac
 import json
 import os
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kwargs, token = _kwargs(args.kwargs), _token(args.token_file)
         table = Episodes(source.factory(args.env, kwargs, args.folder), args.env)
+        faulthandler.dump_traceback_later(args.timeout)  # a constructor stuck past it: its stack, in the log
         table.warm()
+        faulthandler.cancel_dump_traceback_later()
     except (ValueError, UserError, EnvError) as e:
         fix = " Fix: check env.kwargs and the environment's constructor" if isinstance(e, EnvError) else ""
         print(f"env server: {e}{fix}".replace("\n", " "), file=sys.stderr)

@@ -35,12 +35,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import gpufleet
+from gpufleet.env.runner import DEFAULT_TIMEOUT
 from gpufleet.env.wire import health, write_atomic
 from gpufleet.errors import UserError
 from gpufleet.launch.diagnose import how_it_ended
 
 POLL_S = 0.25
 STOP_WAIT_S = 5.0
+READY_SLACK_S = 30.0
+"""Seconds a server may take to start beyond making its first environment (env.reset_timeout)."""
 LOG_LINES = 12
 
 
@@ -61,11 +64,13 @@ class EnvServers:
         devices: list[str] | None = None,
         host: str = "127.0.0.1",
         node: int = 0,
+        reset_timeout: float = DEFAULT_TIMEOUT,
     ):
         if count < 1:
             raise ValueError(f"EnvServers needs count >= 1, got {count}")
         self.name, self.kwargs, self.folders, self.count = name, dict(kwargs), list(folders), count
         self.run_dir, self.devices, self.host = Path(run_dir), list(devices or []), host
+        self.reset_timeout = reset_timeout  # a server makes one environment before it is ready
         from gpufleet.env.connect import servers_file
 
         self.servers_json = servers_file(self.run_dir, node)  # nodes sharing the folder: one list each
@@ -88,9 +93,12 @@ class EnvServers:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float | None = None) -> None:
         """Start every server and wait until each is listening and answers /health; UserError (on
-        env.name, quoting the server's log) when one exits or is not ready within `timeout` s."""
+        env.name, quoting the server's log) when one exits or is not ready within `timeout` s (default:
+        reset_timeout + 30: a server makes one environment first; past reset_timeout it writes the
+        stacks of its threads to its log, so the quoted log shows where the constructor is stuck)."""
+        timeout = self.reset_timeout + READY_SLACK_S if timeout is None else timeout
         self.env_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._token = secrets.token_urlsafe(32)
@@ -171,6 +179,7 @@ class EnvServers:
         cmd += [x for folder in self.folders for x in ("--folder", folder)]
         cmd += ["--host", self.host, "--port", "0", "--token-file", str(self.token_file)]
         cmd += ["--ready-file", str(ready), "--parent-pid", str(os.getpid())]
+        cmd += ["--timeout", str(self.reset_timeout)]
         if self._logs[i] is None:
             self._logs[i] = open(self._log_file(i), "ab")  # closed by stop()
         proc = subprocess.Popen(
@@ -201,7 +210,7 @@ class EnvServers:
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
-                raise _StartFailed(self._failure(i, "did not become ready in time"))
+                raise _StartFailed(self._failure(i, "did not become ready in time (env.reset_timeout)"))
             time.sleep(0.05)
 
     @staticmethod
@@ -233,7 +242,7 @@ class EnvServers:
     def _restart(self, i: int, code: int) -> None:
         self._spawn(i)
         try:
-            address = self._wait_ready(i, time.monotonic() + 60.0)
+            address = self._wait_ready(i, time.monotonic() + self.reset_timeout + READY_SLACK_S)
         except _StartFailed as e:
             if not self._stopping.is_set():
                 print(

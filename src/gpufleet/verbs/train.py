@@ -123,7 +123,8 @@ def env_servers(jb, out: Path, topo, hw, folders: list[str]):
     count = len(topo.policy_devices) if cfg.servers == "auto" else cfg.servers
     devices = None if hw.is_cpu else [str(d) for d in topo.policy_devices]
     node = jb.launch.node_rank
-    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, devices=devices, node=node) as servers:
+    kw = {"devices": devices, "node": node, "reset_timeout": cfg.reset_timeout}
+    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, **kw) as servers:
         servers.start()
         print(f"env: {plural(count, 'server')} of {cfg.name} on {', '.join(servers.addresses())}", flush=True)
         yield servers
