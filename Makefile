@@ -54,4 +54,4 @@ bench: $(STAMP)
 	$(PY) bench/vs_trl.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build/site
