@@ -351,3 +351,28 @@ def test_min_new_tokens_greedy_equals_hf_generate(models):
     finally:
         del hf.forward
     assert torch.equal(ours.completion_ids, ref[:, : ours.completion_ids.shape[1]])
+
+
+def test_sampling_settings_generate_what_generate_does(model):
+    """The engine's one call (prompts, seeds, settings -> tokens) is `generate` with those keywords."""
+    from gpufleet.engine.rollout import Sampling
+
+    prompts, seeds = random_prompts(6, seed=3), [11, 12, 13, 14, 15, 16]
+    settings = Sampling(EOS_TOKEN_ID, PAD_TOKEN_ID, 0.9, 0.95, 20, NEVER, 2)
+    got = settings.generate(model, prompts, seeds, 10)
+    want = sample(
+        model,
+        prompts,
+        seeds,
+        max_new_tokens=10,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=20,
+        suppress_tokens=NEVER,
+        min_new_tokens=2,
+    )
+    for name in Rollout.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert not torch.equal(
+        got.completion_ids, sample(model, prompts, seeds, max_new_tokens=10).completion_ids
+    )

@@ -31,7 +31,7 @@ stream per *row*:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -40,7 +40,7 @@ from gpufleet.engine.fastdecode import FastDecoder
 from gpufleet.engine.sampling import pick, row_uniforms
 from gpufleet.engine.switches import switched_off
 
-__all__ = ["Rollout", "generate", "left_pad"]
+__all__ = ["Rollout", "Sampling", "generate", "left_pad"]
 
 FAST_DECODE_ENV = "GPUFLEET_FAST_DECODE"
 """Set to 0 to sample through the Hugging Face forward even where ``FastDecoder`` supports the model."""
@@ -92,6 +92,34 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled, beside the prompts, their seeds and the length: the engine's one call
+    (``Sampling.generate``) takes these, whoever calls it (a policy rank, a dedicated rollout rank).
+    The fields are ``generate``'s keywords of the same names."""
+
+    eos_token_id: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    suppress_tokens: tuple[int, ...] = ()
+    min_new_tokens: int = 0
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[list[int]],
+        seeds: list[int],
+        max_new_tokens: int,
+        all_done: Callable[[bool], bool] | None = None,
+    ) -> Rollout:
+        """Up to ``max_new_tokens`` tokens after each prompt, row i's randomness from ``seeds[i]``."""
+        return generate(
+            model, prompt_ids, seeds=seeds, max_new_tokens=max_new_tokens, all_done=all_done, **asdict(self)
+        )
 
 
 def left_pad(

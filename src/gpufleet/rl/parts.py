@@ -10,7 +10,7 @@ import torch
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
 from gpufleet.engine.compiled import compile_layers, eager
-from gpufleet.engine.rollout import Rollout, generate
+from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.engine.sampling import never_sampled
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
@@ -49,6 +49,20 @@ class Parts:
     def early(self) -> tuple[int | None, int]:
         """(EOS id, rollout.min_completion_length): EOS has probability 0 before that many tokens."""
         return self.tokenizer.eos_token_id, self.job.rollout.min_completion_length
+
+    @property
+    def sampling(self) -> Sampling:
+        """The job's sampling settings, as the engine takes them."""
+        ro = self.job.rollout
+        return Sampling(
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            suppress_tokens=self.suppress_tokens,
+            min_new_tokens=ro.min_completion_length,
+        )
 
 
 def build(
@@ -172,21 +186,14 @@ def _suppress_tokens(tokenizer, policy: torch.nn.Module, min_new_tokens: int = 0
 def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> Rollout:
     """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
     the sharded model, together (every rank must call this the same number of times)."""
-    rt, ro = p.rt, p.job.rollout
+    rt = p.rt
     fsdp = sharded(p.job, rt)
     with eager(p.job.train.torch_compile):
-        rollout = generate(
+        rollout = p.sampling.generate(
             p.train_model if fsdp else p.policy,
             prompt_ids,
-            seeds=seeds,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=p.tokenizer.eos_token_id,
-            pad_token_id=p.tokenizer.pad_token_id,
-            temperature=ro.temperature,
-            top_p=ro.top_p,
-            top_k=ro.top_k,
+            seeds,
+            max_new_tokens,
             all_done=(lambda flag: all_true(rt, flag)) if fsdp else None,
-            suppress_tokens=p.suppress_tokens,
-            min_new_tokens=ro.min_completion_length,
         )
     return rollout.to(p.device)
