@@ -1,6 +1,6 @@
 """gpufleet command line: parse, then call one function per verb.
 
-    gpufleet check JOB [--set s.f=v ...] [--gpus SPEC]     every problem at once; exit 2 if any error
+    gpufleet check JOB [--set s.f=v ...] [--gpus SPEC] [--nproc N]   every problem at once; exit 2 if any error
     gpufleet config JOB [--set ...] [--format table|yaml|json] [--explain [FIELD]]   resolved job, source of each value
     gpufleet plan JOB [--set ...] [--gpus SPEC] [--format table|json]   memory per device, what fits
     gpufleet train JOB [--set ...] [--gpus auto|cpu]       train (one process, or torchrun for N); resumes
@@ -71,10 +71,17 @@ def _info_verbs(sub) -> None:
     """The verbs that only read and print: check, config, plan."""
     what_if = WHAT_IF
     job_verb = partial(_job_verb, sub)
-    job_verb(
+    c = job_verb(
         "check",
         "check every rule of a job before anything loads; exit 2 on any error",
         f"hardware to check against: {what_if}",
+    )
+    c.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes per node (= launch.nproc_per_node), as launch",
     )
     c = job_verb("config", "print the resolved job and where each value came from", "", job_optional=True)
     c.add_argument("--format", choices=("table", "yaml", "json"), default="table")
@@ -220,7 +227,7 @@ def _run(args: argparse.Namespace, env: Mapping[str, str], command: list[str]) -
     if args.verb == "check":
         from gpufleet.verbs.check import check
 
-        return check(args.job, args.sets, args.gpus, env)
+        return check(args.job, args.sets, args.gpus, env, nproc=args.nproc)
     if args.verb == "config":
         from gpufleet.verbs.config import show_config
 

@@ -146,7 +146,7 @@ def _read_job_text(path: Path) -> str:
         raise UserError(f"job file {str(path)!r} is a directory.", fix="name the .yaml file.")
     if not stat.S_ISREG(st.st_mode):
         raise UserError(
-            f"job file {str(path)!r} is not a regular file (a pipe or device).",
+            f"job file {str(path)!r} is not a regular file (a device).",
             fix="save the job as a .yaml file.",
         )
     if st.st_size > MAX_JOB_FILE_BYTES:
@@ -205,8 +205,9 @@ def _no_duplicate_keys(path: Path, node, depth: int = 0) -> None:
         _no_duplicate_keys(path, vnode, depth + 1)
 
 
-def file_layer(path: Path, problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
-    node, data = _parse_yaml(path, _read_job_text(path))
+def file_layer(path: Path, problems: list[Problem], text: str | None = None) -> dict[str, tuple[Any, Source]]:
+    """The job file's fields; `text`: the job already read from a pipe or stdin (config/load.py), named `path`."""
+    node, data = _parse_yaml(path, _read_job_text(path) if text is None else text)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -48,6 +48,19 @@ class Resolved:
     def ref(self, path: str) -> FieldRef:
         return FieldRef(path, self.value(path), self.source(path))
 
+    def set_fields(self, section: str) -> list[str]:
+        """The fields of `section` a layer set (the job file, Slurm, the environment, a flag), not defaults."""
+        paths = (f"{section}.{name}" for name in SECTIONS[section].model_fields)
+        return [p for p in paths if self.source(p).kind in ("file", "slurm", "env", "flag")]
+
+    @property
+    def origin(self) -> str | None:
+        """Where the job file's values came from: its path, `<stdin>` or the pipe it was read from."""
+        if self.job_path is not None:
+            return str(self.job_path)
+        files = (s.detail.rsplit(":", 1)[0] for s in self.sources.values() if s.kind == "file" and s.detail)
+        return next(files, None)
+
 
 def load_job(
     job_path: str | os.PathLike | None,
@@ -59,12 +72,18 @@ def load_job(
     """Resolve defaults < file < Slurm < env < flags into a `Resolved` job (see the module docstring).
     `anchor=False`: the file is a job gpufleet already resolved (the run's job.yaml a torchrun worker
     reads): its paths are final (the job file's made absolute, a flag's relative to the working directory,
-    which the ranks share with the launcher), not relative to the file's folder again."""
+    which the ranks share with the launcher), not relative to the file's folder again. A job given as a
+    stream (`-` for stdin, a pipe such as `<(envsubst < job.yaml)`: `read_stream`) has no folder: its relative
+    paths are the working directory's, and `job_path` is None."""
     env = os.environ if env is None else env
     problems: list[Problem] = []
     layers: list[dict[str, tuple[Any, Source]]] = []  # lowest first
     path = Path(job_path) if job_path is not None else None
-    if path is not None:
+    stream = read_stream(str(job_path)) if job_path is not None else None
+    if stream is not None:  # a pipe or stdin: its relative paths are the working directory's
+        layers.append(file_layer(*stream[:1], problems, stream[1]))
+        path = None
+    elif path is not None:
         layers.append(file_layer(path, problems))
     layers.append(slurm_layer(env, problems))
     layers.append(env_layer(env, problems))
@@ -86,9 +105,68 @@ def load_job(
     job = Job(**sections)
     resolved = Resolved(job=job, sources=sources, problems=problems, job_path=path)
     _apply_presets(resolved)
-    if path is not None and anchor:
+    if stream is not None and anchor:
+        _anchor_paths(resolved, Path.cwd())
+    elif path is not None and anchor:
         _anchor_paths(resolved, path.resolve().parent)
     return resolved
+
+
+STDIN = "-"
+"""The job path that means standard input (`envsubst < job.yaml | gpufleet check -`, as `kubectl apply -f -`)."""
+
+_STREAMS: dict[tuple[int, int], str] = {}
+"""Pipes already read by this process, by (device, inode): a pipe can be read once, and `check` of a launch
+job loads the job twice."""
+
+
+def read_stream(job_path: str) -> tuple[Path, str] | None:
+    """(name, text) of a job given as a stream: `-` (standard input) or a pipe (`<(envsubst < job.yaml)`,
+    /dev/fd/N), read once and kept, at most MAX_JOB_FILE_BYTES of UTF-8. None for anything else (a regular
+    file, a missing path: `file_layer` reads it or says why)."""
+    import stat
+    import sys
+
+    from gpufleet.config.layers import MAX_JOB_FILE_BYTES
+    from gpufleet.errors import UserError
+
+    stdin = job_path == STDIN
+    try:
+        st = os.fstat(sys.stdin.fileno()) if stdin else os.stat(job_path)
+    except (OSError, ValueError):  # no such path (file_layer says so), or no stdin at all
+        if not stdin:
+            return None
+        st = None
+    name = Path("<stdin>" if stdin else job_path)
+    fix = f"pipe a job in (envsubst < job.yaml | gpufleet check {STDIN}), or name a .yaml file"
+    if stdin and (st is None or sys.stdin.isatty()):
+        raise UserError(
+            f"job file {STDIN!r} reads the job from standard input, but nothing is piped in.", fix=fix
+        )
+    if not stdin and not (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
+        return None
+    key = (st.st_dev, st.st_ino)
+    if key not in _STREAMS:
+        if stdin:
+            data = sys.stdin.buffer.read(MAX_JOB_FILE_BYTES + 1)
+        else:
+            with open(job_path, "rb") as f:
+                data = f.read(MAX_JOB_FILE_BYTES + 1)
+        if len(data) > MAX_JOB_FILE_BYTES:
+            raise UserError(
+                f"job file {str(name)!r} is over {MAX_JOB_FILE_BYTES >> 20} MiB; a job file is at most 1 MiB.",
+                fix="is this the right input? a job is a few dozen lines of YAML",
+            )
+        if not data.strip():
+            raise UserError(f"job file {str(name)!r} is empty (the pipe gave nothing).", fix=fix)
+        try:
+            _STREAMS[key] = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise UserError(
+                f"{name}:{line}: not UTF-8 text (byte {data[e.start]:#04x}).", fix="give UTF-8."
+            ) from None
+    return name, _STREAMS[key]
 
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".gz", ".bz2", ".xz")

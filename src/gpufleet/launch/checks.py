@@ -20,11 +20,15 @@ from gpufleet.text import plural
 Finding = tuple[str, str]
 
 
-def findings(argv: list[str], per_node: int, hw: Hardware, r: Resolved, dry_run: bool) -> list[Finding]:
-    """(level, line) for everything that would stop or slow the run, all at once. A missing script or
-    command is only a warning for --dry-run (a plan for another machine, where it is installed)."""
+def findings(
+    argv: list[str], per_node: int, hw: Hardware, r: Resolved, dry_run: bool = False
+) -> list[Finding]:
+    """(level, line) for everything that would stop or slow the run, all at once: what `gpufleet launch`,
+    its --dry-run and `gpufleet check` of a launch job all say, with the same verdict (`dry_run` changes
+    nothing here). A missing script or command is an error on the hardware here, a warning for a what-if
+    --gpus spec (a plan for another machine, where it is installed)."""
     jb = r.job
-    out = _command(argv, "warning" if dry_run else "error")
+    out = command_findings(argv, r, "error" if hw.is_detected or hw.is_cpu else "warning")
     if not hw.is_cpu and per_node > len(hw.devices):
         out.append(
             (
@@ -59,7 +63,35 @@ def findings(argv: list[str], per_node: int, hw: Hardware, r: Resolved, dry_run:
             )
         )
     said = [p for p in r.problems if p.severity == "warning"]  # e.g. a Slurm allocation used outside srun
-    return out + [(p.severity, _line(p)) for p in said + _devices(per_node, hw, r)]
+    return out + [(p.severity, _line(p)) for p in said + _devices(per_node, hw, r) + no_effect(r)]
+
+
+TRAINER_SECTIONS = ("model", "data", "reward", "algorithm", "rollout", "env", "train", "placement")
+"""The sections only `gpufleet train` reads; a launch job reads script:, launch:, output.dir and monitor:."""
+_IN_SCRIPT = {"train.micro_batch": "script.gradient_accumulation_steps"}
+
+
+def no_effect(r: Resolved) -> list[Problem]:
+    """A warning for each field a launch job sets that `gpufleet launch` never reads (`train.learning_rate`:
+    the script's is script.learning_rate), naming the script's counterpart where there is one."""
+    from gpufleet.config.schema import SECTIONS
+
+    paths = [p for s in TRAINER_SECTIONS for p in r.set_fields(s)]
+    paths += [p for p in r.set_fields("output") if p != "output.dir"]
+    out = []
+    for path in paths:
+        section, name = path.split(".", 1)
+        twin = _IN_SCRIPT.get(path) or (
+            f"script.{name}" if section == "train" and name in SECTIONS["script"].model_fields else None
+        )
+        why = (
+            f"{path} has no effect in a launch job: gpufleet launch runs script.command and reads only script:, "
+            f"launch:, output.dir and monitor: ({section}: is gpufleet train's)"
+        )
+        why += f"; the script's counterpart is {twin}." if twin else "."
+        fix = f"remove it and set {twin}" if twin else "remove it (your script has its own setting for it)"
+        out.append(Problem("warning", [r.ref(path)], why, fix))
+    return out
 
 
 def _devices(per_node: int, hw: Hardware, r: Resolved) -> list[Problem]:
@@ -103,21 +135,35 @@ def _line(p: Problem) -> str:
     return f"{head}{p.why}" + (f" Fix: {p.fix}" if p.fix else "")
 
 
-def _command(argv: list[str], missing: str) -> list[Finding]:
-    script = script_file(argv)
-    if script is not None and not script.is_file():
+def command_findings(argv: list[str], r: Resolved, level: str) -> list[Finding]:
+    """The one rule for the command's script and program, for `launch` and `check` alike: the command runs
+    in the working directory, as in a shell, so a relative script path (`python train.py`) is the working
+    directory's, like every other path on the command line, unlike the job file's own paths (model.path,
+    data.path, ...), which are its folder's. A missing one is `level`, naming the folder it was looked for
+    in and, when the script is beside the job file, the command that finds it."""
+    script, here = script_file(argv), Path.cwd()
+    if script is not None and not (here / script).is_file():
+        where = f"{here}, the working directory" if not script.is_absolute() else "that path"
+        fix = "give the script's path as seen from the working directory, or run gpufleet where the script is"
+        beside = r.job_path.resolve().parent / script if r.job_path is not None else None
+        if not script.is_absolute() and beside is not None and beside.is_file():
+            rel = os.path.relpath(beside, here)
+            fix = f"it is beside the job file: run from there (cd {beside.parent}), or write its path from here ({rel})"
+        why = (
+            f"{script} does not exist in {where} (a relative path in the command is the working directory's, "
+            "where the command runs; the job file's other paths are its folder's)."
+        )
+        return [(level, f"script.command: {why} Fix: {fix}")]
+    bare = os.sep not in argv[0] and not argv[0].startswith(
+        "python"
+    )  # a bare python: gpufleet's own, if need be
+    if script is None and bare and shutil.which(argv[0]) is None:
         return [
-            (
-                missing,
-                f"script.command: {script} does not exist (from {os.getcwd()}). Fix: the path of the script",
-            )
+            (level, f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path")
         ]
-    if script is None and shutil.which(argv[0]) is None:
+    if script is None and os.sep in argv[0] and not Path(argv[0]).is_file():
         return [
-            (
-                missing,
-                f"script.command: {argv[0]!r} is not a command on PATH. Fix: install it or give its path",
-            )
+            (level, f"script.command: {argv[0]} does not exist (from {here}). Fix: give the program's path")
         ]
     return []
 

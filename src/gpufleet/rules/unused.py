@@ -7,22 +7,15 @@ from __future__ import annotations
 from gpufleet.config.schema import SECTIONS
 from gpufleet.rules.registry import Context, rule, warn
 
-_SET_BY = ("file", "slurm", "env", "flag")
 _TRAINER = {"gradient_accumulation_steps": "train.micro_batch"}
 """script fields whose trainer counterpart has another name (accumulation = per_device_batch / micro_batch)."""
-
-
-def _set(ctx: Context, section: str) -> list[str]:
-    """The fields of `section` a layer set (not defaults)."""
-    paths = (f"{section}.{name}" for name in SECTIONS[section].model_fields)
-    return [p for p in paths if ctx.r.source(p).kind in _SET_BY]
 
 
 @rule
 def env_fields_without_env(ctx: Context):
     if ctx.job.env.name:
         return
-    for path in _set(ctx, "env"):
+    for path in ctx.r.set_fields("env"):
         yield warn(
             [ctx.ref(path), ctx.ref("env.name")],
             f"{path} has no effect in this job: it is read only by an environment job (multi-turn agent RL, "
@@ -38,7 +31,7 @@ def env_fields_without_env(ctx: Context):
 def script_fields_in_a_trainer_job(ctx: Context):
     if ctx.job.script.command:  # a `gpufleet launch` job (check takes its own path unless it has problems)
         return
-    for path in _set(ctx, "script"):
+    for path in ctx.r.set_fields("script"):
         name = path.split(".", 1)[1]
         mine = _TRAINER.get(name, f"train.{name}" if name in SECTIONS["train"].model_fields else None)
         yield warn(

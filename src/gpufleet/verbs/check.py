@@ -12,17 +12,18 @@ from gpufleet.preflight import p2p_env
 from gpufleet.text import plural
 
 
-def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str]) -> int:
-    """`gpufleet check`: print every problem with its fix; exit 2 when any is an error."""
+def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], nproc: int | None = None) -> int:
+    """`gpufleet check`: print every problem with its fix; exit 2 when any is an error. `nproc`: processes
+    per node, as `launch --nproc` (= --set launch.nproc_per_node=N)."""
     from gpufleet.hardware import resolve_hardware
     from gpufleet.rules import run_checks
 
     hw = resolve_hardware(gpus, env)
-    r = load_job(job, sets, env)
-    if r.job.script.command and not r.problems:  # a `gpufleet launch` job: its own checks, nothing runs
+    r = load_job(job, [*sets, *([f"launch.nproc_per_node={nproc}"] if nproc else [])], env)
+    if r.job.script.command:  # a `gpufleet launch` job: launch's own checks (launch --dry-run), nothing runs
         from gpufleet.verbs.launch import launch_command
 
-        return launch_command(job, sets, gpus, env, [], dry_run=True)
+        return launch_command(job, sets, gpus, env, [], nproc=nproc, dry_run=True)
     problems, ctx = run_checks(r, hw, env)
     print(f"gpufleet check {job}")
     print(f"  hardware: {hw.describe()}")

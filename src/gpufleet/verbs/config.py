@@ -116,7 +116,7 @@ def render_yaml(
     lines above it; `only`: these fields only."""
     notes = notes or {}
     lines = [
-        f"# resolved by gpufleet config from {r.job_path}" if r.job_path else "# resolved by gpufleet config",
+        f"# resolved by gpufleet config from {r.origin}" if r.origin else "# resolved by gpufleet config",
         "# '#   field: value' lines are defaults or derived values: uncomment one to pin it.",
     ]
     last = None

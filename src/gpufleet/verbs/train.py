@@ -123,8 +123,7 @@ def env_servers(jb, out: Path, topo, hw, folders: list[str]):
     count = len(topo.policy_devices) if cfg.servers == "auto" else cfg.servers
     devices = None if hw.is_cpu else [str(d) for d in topo.policy_devices]
     node = jb.launch.node_rank
-    kw = {"devices": devices, "node": node, "reset_timeout": cfg.reset_timeout}
-    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, **kw) as servers:
+    with EnvServers(cfg.name, dict(cfg.kwargs), folders, count, out, devices=devices, node=node) as servers:
         servers.start()
         print(f"env: {plural(count, 'server')} of {cfg.name} on {', '.join(servers.addresses())}", flush=True)
         yield servers
@@ -133,6 +132,7 @@ def env_servers(jb, out: Path, topo, hw, folders: list[str]):
 def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: bool):
     """Resolve and check the job; apply `placement: auto` as the planner decides; --force."""
     r = load_job(job, sets, env)
+    _not_a_launch_job(job, r)
     problems, ctx = run_checks(r, hw, env)
     auto = _auto_placement(r, hw, env) if not any(p.severity == "error" for p in problems) else ()
     if auto:  # `placement: auto` decided by memory: the planner's dedicated device, made explicit
@@ -146,6 +146,31 @@ def _checked(job: str, sets: Sequence[str], hw, env: Mapping[str, str], force: b
             if p.extra.get("rule") == "fit" and p.severity == "error":
                 p.severity = "warning"
     return r, problems, ctx
+
+
+def _not_a_launch_job(job: str, r) -> None:
+    """A `gpufleet launch` job (script.command set, or script: fields and nothing of a trainer job) is
+    refused, as `gpufleet check` takes it for one: train runs no script, and with no trainer field set it
+    would train the built-in demo (every trainer default) into the script's output.dir."""
+    import shlex
+
+    from gpufleet.errors import UserError
+    from gpufleet.launch.checks import TRAINER_SECTIONS
+
+    script = r.set_fields("script")
+    trainer = [p for s in TRAINER_SECTIONS for p in r.set_fields(s)]
+    if not r.job.script.command and (not script or trainer):
+        return
+    said = (
+        f"script.command is set ({r.source('script.command')})"
+        if r.job.script.command
+        else f"it sets {', '.join(script)} and no field of a trainer job"
+    )
+    then = "train runs no script" + ("" if trainer else "; it would train the built-in demo into output.dir")
+    fix = f"gpufleet launch {shlex.quote(job)}" + (
+        "; or remove script: to train the job's model" if trainer else ""
+    )
+    raise UserError(f"this is a launch job: {said}, and gpufleet {then}.", fix=fix)
 
 
 def _start(out: Path, jb, topo, folders: list[str]):
