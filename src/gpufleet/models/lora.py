@@ -47,22 +47,39 @@ def targets(model_section, model_type: str | None) -> list[str] | str:
     )
 
 
+TIED_HEAD_WARNING = r"Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"
+"""peft's warning for an adapter on a head tied to the input embeddings. Safe here: the adapter adds to the
+head's output only (the shared matrix stays frozen, the embeddings unchanged), and `merged` unties the head
+before merging, so the merge cannot change the embeddings either."""
+
+
 def apply(model, model_section, adapter: Path | None = None):
     """`model` with a fresh LoRA adapter (the job's settings), or with the adapter saved in `adapter`
-    (a checkpoint: resume continues from its exact weights), trainable."""
+    (a checkpoint: resume continues from its exact weights), trainable.
+
+    Its save_pretrained leaves the base's embedding and head weights out (save_embedding_layers=False):
+    they are frozen and loaded from the base model. peft's "auto" saved the whole vocab x hidden matrix into
+    every adapter whose targets name lm_head (1 GiB a checkpoint on Qwen2.5-7B), with a warning."""
+    import functools
+
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if adapter is not None:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    m = model_section
-    config = LoraConfig(
-        r=m.lora_r,
-        lora_alpha=m.lora_alpha,
-        lora_dropout=m.lora_dropout,
-        target_modules=targets(m, getattr(model.config, "model_type", None)),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TIED_HEAD_WARNING, category=UserWarning)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        else:
+            m = model_section
+            config = LoraConfig(
+                r=m.lora_r,
+                lora_alpha=m.lora_alpha,
+                lora_dropout=m.lora_dropout,
+                target_modules=targets(m, getattr(model.config, "model_type", None)),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, config)
+    model.save_pretrained = functools.partial(model.save_pretrained, save_embedding_layers=False)
+    return model
 
 
 def is_adapter(folder: Path) -> bool:
@@ -83,25 +100,30 @@ def base_of(adapter: Path) -> str:
     return base
 
 
-def merged(adapter: Path, base: str, to: Path) -> None:
-    """Base model + the adapter in `adapter`, merged, saved to `to` (with the tokenizer). An adapter on an
-    output head tied to the input embeddings adapts the head alone: the merged model gets its own head
-    (untied), else merging would change the embeddings too."""
+def merged(adapter: Path, base: str, to: Path, min_new_tokens: int = 0) -> None:
+    """Base model + the adapter in `adapter`, merged, saved to `to` (with the tokenizer), every file readable
+    by all (0644 under umask 022; safetensors writes 0600). An adapter on an output head tied to the input
+    embeddings adapts the head alone: the merged model gets its own head (untied), else merging would
+    change the embeddings too. Its generation config says what training sampled, as a trained model's
+    does: `suppress_tokens` (a pad that is not EOS) and `min_new_tokens` (rollout.min_completion_length)."""
     import json
 
     from peft import PeftModel
 
+    from gpufleet.checkpoint import readable_by_all
     from gpufleet.models.load import load_causal_lm, load_tokenizer
+    from gpufleet.rl.parts import _suppress_tokens
 
     model = load_causal_lm(base)
     chosen = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("target_modules") or []
     if HEAD in chosen and getattr(model.config, "tie_word_embeddings", False):
         _untie_head(model)
     model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tokenizer = load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base)
+    _suppress_tokens(tokenizer, model, min_new_tokens)  # into model.generation_config, as training does
     model.save_pretrained(to, safe_serialization=True)
-    load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base).save_pretrained(
-        to
-    )
+    tokenizer.save_pretrained(to)
+    readable_by_all(to)
 
 
 def _untie_head(model) -> None:

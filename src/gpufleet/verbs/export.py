@@ -33,7 +33,23 @@ def export_command(run_dir: str, step: int | None, to: str, merge: bool = False)
                 field="--merge",
                 fix="drop --merge",
             )
-        lora.merged(adapter, lora.base_of(adapter), dest)
+        lora.merged(adapter, lora.base_of(adapter), dest, _min_new_tokens(src, user_path(run_dir)))
     print(f"exported {src} merged with its base -> {to}")
     print(f"  load it with: AutoModelForCausalLM.from_pretrained({to!r})")
+    return 0
+
+
+def _min_new_tokens(src: Path, run_dir: Path) -> int:
+    """rollout.min_completion_length of the job that trained `src` (its job.yaml, else the run's): the
+    merged model's generation config keeps it, as a trained model's does (0 when neither says)."""
+    import yaml
+
+    for job in (src / "job.yaml", run_dir / "job.yaml"):
+        try:
+            data = yaml.safe_load(job.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        rollout = data.get("rollout") if isinstance(data, dict) else None
+        if isinstance(rollout, dict):
+            return int(rollout.get("min_completion_length") or 0)
     return 0
