@@ -111,8 +111,8 @@ def merged(adapter: Path, base: str, to: Path, min_new_tokens: int = 0) -> None:
     from peft import PeftModel
 
     from gpufleet.checkpoint import readable_by_all
+    from gpufleet.engine.sampling import never_sampled
     from gpufleet.models.load import load_causal_lm, load_tokenizer
-    from gpufleet.rl.parts import _suppress_tokens
 
     model = load_causal_lm(base)
     chosen = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("target_modules") or []
@@ -120,7 +120,10 @@ def merged(adapter: Path, base: str, to: Path, min_new_tokens: int = 0) -> None:
         _untie_head(model)
     model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     tokenizer = load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base)
-    _suppress_tokens(tokenizer, model, min_new_tokens)  # into model.generation_config, as training does
+    gen = model.generation_config  # as rl/parts.py's _suppress_tokens sets the policy's in training
+    eos = [tokenizer.eos_token_id, model.config.eos_token_id, gen.eos_token_id]
+    gen.suppress_tokens = list(never_sampled(tokenizer.pad_token_id, eos)) or None
+    gen.min_new_tokens = min_new_tokens or None
     model.save_pretrained(to, safe_serialization=True)
     tokenizer.save_pretrained(to)
     readable_by_all(to)
