@@ -225,7 +225,7 @@ def folder_problems(folder: Path) -> list[tuple[str, str]]:
                 'add "model_type" (e.g. "qwen2", "llama") to config.json',
             )
         )
-    if not any((folder / n).is_file() for n in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
+    if not has_weights(folder):
         problems.append(
             (
                 f"{folder} holds no weights ({', '.join(WEIGHT_FILES[:3])}).",
@@ -234,6 +234,48 @@ def folder_problems(folder: Path) -> list[tuple[str, str]]:
         )
     problems.extend(_tokenizer_problems(folder))
     return problems
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether a model folder (or a hub cache snapshot) holds weight files."""
+    return any((folder / n).is_file() for n in WEIGHT_FILES) or any(folder.glob("*.safetensors"))
+
+
+REWARD_MODEL_FIX = (
+    "a reward model with a classification head (an *ForSequenceClassification with num_labels 1, as TRL's "
+    "RewardTrainer saves), or a reward function (reward.functions) instead"
+)
+
+
+def reward_head_problem(raw: Mapping[str, Any], name: str) -> tuple[str, str] | None:
+    """(why, fix) when the model of config.json `raw` cannot be a reward model, else None. A reward model is a
+    sequence classifier with one label (loaded with AutoModelForSequenceClassification): `architectures`
+    says whether it has that head (a *ForCausalLM has none: it would get a new, untrained one with
+    transformers' default of 2 labels), `id2label` / `num_labels` how many labels (transformers' default
+    is 2 when neither is written)."""
+    archs = [a for a in raw.get("architectures") or () if isinstance(a, str)]
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        lm = any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
+        kind = "a causal language model" if lm else "not a sequence classifier"
+        why = (
+            f"{name} is {archs[0]}, {kind}: it has no classification head to score with (loaded as a reward "
+            "model it would get an untrained one, with transformers' default of 2 labels)."
+        )
+        return why, REWARD_MODEL_FIX
+    labels = raw.get("id2label")
+    count = len(labels) if isinstance(labels, Mapping) and labels else raw.get("num_labels", 2)
+    if count != 1:
+        said = (
+            ""
+            if "id2label" in raw or "num_labels" in raw
+            else " (its config.json names none: transformers' default)"
+        )
+        why = f"{name} has {count} labels{said}; a reward model gives one score per text."
+        return (
+            why,
+            "a reward model with num_labels 1 (one score), or a reward function (reward.functions) instead",
+        )
+    return None
 
 
 def _tokenizer_problems(folder: Path) -> list[tuple[str, str]]:

@@ -43,9 +43,11 @@ def _too_full(d: DeviceLoad, models: Models) -> str:
     """Why device `d` does not fit (or is tight), with its bytes by component."""
     where = "the CPU's RAM" if d.index is None else f"device {d.label} ({', '.join(d.roles)})"
     if not d.fits:
+        rm = models.reward if any("reward model" in role for role in d.roles) else None
+        also = f", the reward model {rm.path} {rm.params.total / 1e9:.2f}B" if rm else ""
         return (
             f"{where} needs {gib(d.total)} GiB ({breakdown(d)}) but has {gib(d.capacity)} GiB: "
-            f"{models.policy.path} has {models.policy.params.total / 1e9:.2f}B parameters."
+            f"{models.policy.path} has {models.policy.params.total / 1e9:.2f}B parameters{also}."
         )
     return (
         f"{where} would keep only {d.headroom:.0%} of its {gib(d.capacity)} GiB free "

@@ -23,7 +23,14 @@ from typing import Any
 
 from gpufleet.config.load import Resolved
 from gpufleet.errors import UserError
-from gpufleet.models.info import checkpoint_dtype, text_config
+from gpufleet.models.info import (
+    checkpoint_dtype,
+    has_weights,
+    looks_like_hub_id,
+    reward_head_problem,
+    text_config,
+)
+from gpufleet.paths import user_path
 
 SUPPORTED_TYPES: dict[str, str] = {
     "llama": "llama",
@@ -313,7 +320,10 @@ class Models:
     policy: ModelSpec
     reward: ModelSpec | None
     notes: tuple[str, ...] = ()
-    """What could not be sized (e.g. a reward model whose config.json is not available)."""
+    """What could not be sized (e.g. a reward model whose config.json is not available), or was sized but
+    cannot run as it is (what gpufleet check refuses)."""
+    reward_said: str = ""
+    """For the fits line: the reward model not counted, or counted though it cannot be one ('' when fine)."""
 
 
 def _spec(path: str, env: Mapping[str, str], head: str) -> ModelSpec | str:
@@ -331,7 +341,10 @@ def _spec(path: str, env: Mapping[str, str], head: str) -> ModelSpec | str:
 
 
 def load_models(r: Resolved, env: Mapping[str, str]) -> Models:
-    """The policy (and reward) model numbers. UserError naming model.path when the policy cannot be sized."""
+    """The policy (and reward) model numbers. UserError naming model.path when the policy cannot be sized.
+    A reward model that cannot be sized is left out, and one that cannot be a reward model (a causal LM:
+    models/info.py `reward_head_problem`, what gpufleet check refuses) is counted with a one-label head;
+    `notes` and `reward_said` say so."""
     policy = _spec(r.job.model.path, env, "causal_lm")
     if isinstance(policy, str):
         raise UserError(
@@ -339,11 +352,41 @@ def load_models(r: Resolved, env: Mapping[str, str]) -> Models:
             fix=f"download it once (hf download {r.job.model.path}) or point model.path at a local "
             "folder with a config.json; gpufleet never downloads",
         )
-    reward, notes = None, []
-    if r.job.reward.model:
-        got = _spec(r.job.reward.model, env, "classifier")
+    notes = [_no_weights("model.path", r.job.model.path)]
+    reward, said, path = None, "", r.job.reward.model
+    if path:
+        got = _spec(path, env, "classifier")
         if isinstance(got, str):
-            notes.append(f"reward.model {r.job.reward.model}: {got}; its memory is not counted")
+            fetch = f" (hf download {path} config.json fetches it alone)" if looks_like_hub_id(path) else ""
+            notes.append(f"reward.model {path}: {got}; its memory is not counted{fetch}")
+            said = f"The reward model {path} is not counted: {got.split(' (')[0]}{fetch}"
         else:
             reward = got
-    return Models(policy, reward, tuple(notes))
+            bad = _reward_head(path, env)
+            if bad:
+                notes.append(
+                    f"reward.model {path}: {bad} gpufleet check refuses it; counted with a one-label head"
+                )
+                said = f"reward.model {path} cannot be a reward model (see the note); it is counted with a one-label head"
+            notes.append(_no_weights("reward.model", path))
+    return Models(policy, reward, tuple(n for n in notes if n), said)
+
+
+def _reward_head(path: str, env: Mapping[str, str]) -> str:
+    """Why the model at `path` cannot be a reward model ('' when it can, or when that is unknown)."""
+    from gpufleet.models.known import lookup_config
+
+    found = lookup_config(path, env)
+    bad = reward_head_problem(found[0], path) if found else None
+    return bad[0] if bad else ""
+
+
+def _no_weights(field: str, path: str) -> str:
+    """A note for a local model folder with no weights (a config.json alone): sized, but not loadable."""
+    folder = user_path(path)
+    if path.startswith("builtin:") or not folder.is_dir() or has_weights(folder):
+        return ""
+    return (
+        f"{field} {path} holds no weights: counted from its config.json, but gpufleet check and train refuse "
+        "the folder until they are there"
+    )

@@ -22,50 +22,82 @@ DATA_EXTENSIONS = datafile.FORMATS
 
 @rule
 def model_path_exists(ctx: Context):
-    from gpufleet.models import builtin as builtin_models
+    from gpufleet.models.known import lookup_config
 
-    for field in ("model.path", "reward.model"):
-        path = ctx.r.value(field)
-        if path is None:
-            continue
-        if builtin_models.is_builtin(path):
-            name = builtin_models.builtin_name(path)
-            if name not in builtin_models.BUILTIN_MODELS:
-                known = ", ".join(f"builtin:{n}" for n in builtin_models.BUILTIN_MODELS)
-                yield err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
-            continue
-        local = user_path(path)
-        if local.exists():
-            problems = modelinfo.folder_problems(local)
-            for why, fix in problems:
-                yield err([ctx.ref(field)], why, fix)
-            note = None if problems else modelinfo.file_round_trip_note(local)
-            if note:
-                yield warn(
-                    [ctx.ref(field)],
-                    note + " Training goes on.",
-                    "fine if your rewards do not depend on the lost text; otherwise use a tokenizer that keeps it",
-                )
-        elif not looks_like_hub_id(path):
-            yield err(
-                [ctx.ref(field)],
-                f"{path!r} is neither a local folder nor a hub id (org/name).",
-                "fix the path, or use a hub id like Qwen/Qwen2.5-0.5B-Instruct",
-            )
-        elif field == "model.path" and ctx.model is None:
+    yield from _model_source(ctx, "model.path", ctx.job.model.path)
+    path = ctx.job.reward.model
+    if path is None:
+        return
+    found = lookup_config(path, ctx.env)  # the folder's, the cache's or the table's config.json
+    bad = modelinfo.reward_head_problem(found[0], path) if found else None
+    if bad:  # what train's AutoModelForSequenceClassification would refuse after loading it all
+        yield err([ctx.ref("reward.model")], *bad)
+    for p in _model_source(ctx, "reward.model", path):
+        if p.severity == "error" or not bad:  # not "download it" for a model that cannot be one
+            yield p
+
+
+def _model_source(ctx: Context, field: str, path: str):
+    """A built-in name, a usable local folder, or a hub id: cached (weights too), or at least sized."""
+    from gpufleet.models import builtin as builtin_models
+    from gpufleet.models.known import lookup_config
+
+    if builtin_models.is_builtin(path):
+        name = builtin_models.builtin_name(path)
+        if name not in builtin_models.BUILTIN_MODELS:
+            known = ", ".join(f"builtin:{n}" for n in builtin_models.BUILTIN_MODELS)
+            yield err([ctx.ref(field)], f"there is no built-in model {name!r}.", f"use one of {known}")
+        return
+    local = user_path(path)
+    cached = modelinfo.find_config_json(path, ctx.env) if not local.exists() else None
+    if local.exists():
+        problems = modelinfo.folder_problems(local)
+        for why, fix in problems:
+            yield err([ctx.ref(field)], why, fix)
+        note = None if problems else modelinfo.file_round_trip_note(local)
+        if note:
             yield warn(
                 [ctx.ref(field)],
-                f"{path} is not in the local Hugging Face cache, so the rules that need "
-                "its config.json (heads, context length) were skipped.",
-                f"download it once (hf download {path}) to check it fully",
+                note + " Training goes on.",
+                "fine if your rewards do not depend on the lost text; otherwise use a tokenizer that keeps it",
             )
-        elif modelinfo.find_config_json(path, ctx.env) is None:  # known shape, weights not here
+    elif not looks_like_hub_id(path):
+        yield err(
+            [ctx.ref(field)],
+            f"{path!r} is neither a local folder nor a hub id (org/name).",
+            "fix the path, or use a hub id like Qwen/Qwen2.5-0.5B-Instruct",
+        )
+    elif cached is not None:
+        if not modelinfo.has_weights(cached.parent):  # `hf download ID config.json`: sized, not loadable
             yield warn(
                 [ctx.ref(field)],
-                f"{path} is not in the local Hugging Face cache: its shape is known to gpufleet, but train "
-                "downloads its weights first, which needs network access.",
+                f"only the config.json of {path} is in the local Hugging Face cache: its shape is known, but "
+                "train downloads its weights first, which needs network access.",
                 f"download it now (hf download {path}), or point {field} at a local folder",
             )
+    elif field == "model.path" and ctx.model is None:
+        yield warn(
+            [ctx.ref(field)],
+            f"{path} is not in the local Hugging Face cache, so the rules that need "
+            "its config.json (heads, context length) were skipped.",
+            f"download it once (hf download {path}) to check it fully",
+        )
+    elif lookup_config(path, ctx.env) is None:  # reward.model: no config.json anywhere here
+        yield warn(
+            [ctx.ref(field)],
+            f"{path} is not in the local Hugging Face cache and its shape is not known to gpufleet: its memory is "
+            "not counted (here and in gpufleet plan), whether it is a sequence classifier cannot be checked, and "
+            "train downloads it first, which needs network access.",
+            f"hf download {path} (or its config.json alone, hf download {path} config.json, to count and check "
+            f"it), or point {field} at a local folder",
+        )
+    else:  # known shape, nothing here
+        yield warn(
+            [ctx.ref(field)],
+            f"{path} is not in the local Hugging Face cache: its shape is known to gpufleet, but train "
+            "downloads its weights first, which needs network access.",
+            f"download it now (hf download {path}), or point {field} at a local folder",
+        )
 
 
 @rule

@@ -73,6 +73,7 @@ def _as_json(job, hw, plan, problems, r, fixes, largest, code) -> dict:
         ],
         "fixes": [f.to_dict() | {"command": f.command()} for f in fixes],
         "largest_that_fits": [x.to_dict() for x in largest],
+        "notes": list(plan.models.notes) if plan else [],
     }
 
 
@@ -144,7 +145,10 @@ def render_table(
         out.append(f"  - the planner's choice, to make it explicit: {flags(plan.changes)}")
     if shown:
         out += ["", render_problems(shown)]
-    out += ["", _verdict(plan)]
+    out += [
+        "",
+        _verdict(plan) + (f" {plan.models.reward_said}." if plan.models.reward_said else ""),
+    ]
     if fixes:
         out.append("fixes (each planned again, >= 10% free on every device; re-run plan with one):")
         out += _fix_lines(fixes)
