@@ -90,19 +90,9 @@ def env_errors(job):
     try:
         yield
     except EnvTimeout as e:
-        raise UserError(
-            f"the environment is stuck: {e}.",
-            field=e.setting,
-            fix=f"find why it does not return {'there' if e.wire.get('where') else 'in time'}, or, for an "
-            f"environment this slow on purpose, --set {e.setting}={4 * e.wire['limit']:g}",
-        ) from None
+        raise env_stuck(e) from None
     except EnvError as e:
-        raise UserError(
-            f"the environment failed: {e}.",
-            field="env.name",
-            fix="fix the environment: reset(seed=) returns (observation, info) and step(action) returns "
-            "(observation, reward, terminated, truncated, info), text observations, never raising",
-        ) from None
+        raise env_failed(str(e)) from None
     except EnvServerError as e:
         remote = bool(cfg.address)
         raise UserError(
@@ -112,6 +102,26 @@ def env_errors(job):
             if remote
             else "see OUTPUT/logs/env-server-*.log; --set env.servers=0 runs the environments in the trainer",
         ) from None
+
+
+def env_stuck(e) -> UserError:
+    """The error of an environment call past its limit (`e`: runner.EnvTimeout)."""
+    return UserError(
+        f"the environment is stuck: {e}.",
+        field=e.setting,
+        fix=f"find why it does not return {'there' if e.wire.get('where') else 'in time'}, or, for an "
+        f"environment this slow on purpose, --set {e.setting}={4 * e.wire['limit']:g}",
+    )
+
+
+def env_failed(what: str, when: str = "") -> UserError:
+    """The error of an environment that raised or returned junk (`what`: base.EnvError's text)."""
+    return UserError(
+        f"the environment failed{when}: {what}.",
+        field="env.name",
+        fix="fix the environment: reset(seed=) returns (observation, info) and step(action) returns "
+        "(observation, reward, terminated, truncated, info), text observations, never raising",
+    )
 
 
 def servers_file(run_dir: Path, node: int = 0) -> Path:

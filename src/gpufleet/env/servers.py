@@ -47,6 +47,15 @@ READY_SLACK_S = 30.0
 LOG_LINES = 12
 
 
+def child_env(folders: list[str]) -> dict[str, str]:
+    """The environment of a child Python that imports the user's environments: the job's folders first
+    on PYTHONPATH, then this gpufleet, then what was there; unbuffered output."""
+    from gpufleet.usercode import pythonpath
+
+    own = str(Path(gpufleet.__file__).resolve().parents[1])  # the children run this gpufleet
+    return dict(os.environ, PYTHONPATH=pythonpath([*folders, own], os.environ), PYTHONUNBUFFERED="1")
+
+
 class _StartFailed(Exception):
     """A server exited or timed out while starting; the message quotes its log."""
 
@@ -161,10 +170,7 @@ class EnvServers:
         """Start server i (its ready file removed first, its log appended to)."""
         ready = self._ready_file(i)
         ready.unlink(missing_ok=True)
-        from gpufleet.usercode import pythonpath
-
-        own = str(Path(gpufleet.__file__).resolve().parents[1])  # the children run this gpufleet
-        env = dict(os.environ, PYTHONPATH=pythonpath([*self.folders, own], os.environ), PYTHONUNBUFFERED="1")
+        env = child_env(self.folders)
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[i % len(self.devices)]
         cmd = [

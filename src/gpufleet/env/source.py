@@ -57,24 +57,38 @@ def factory(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = N
     return lambda: cls(**kwargs)
 
 
-def check(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = None) -> None:
-    """Resolve `name`; for builtin: and gymnasium: also make one environment and reset it (cheap and
-    ours); a user's class is imported and its constructor checked against env.kwargs, not run."""
+def check(
+    name: str,
+    kwargs: dict[str, Any],
+    folders: Sequence[str] | None = None,
+    *,
+    build: bool = True,
+    reset_timeout: float = 600.0,
+) -> UserError | None:
+    """Resolve `name`, make one environment and reset it (seed 0): builtin: and gymnasium: here (cheap
+    and ours), a user's class in a child process under a deadline (probe.py; `build` False: only import
+    it and check env.kwargs against its constructor). UserError for what train would stop on; returns a
+    warning (a UserError, not raised) for a reset slower than check waits."""
+    if not name.startswith((BUILTIN, GYMNASIUM)):
+        if not build:
+            factory(name, kwargs, folders)
+            return None
+        from gpufleet.env.probe import probe
+
+        return probe(name, dict(kwargs), list(folders or []), reset_timeout)
     make = factory(name, kwargs, folders)
-    if name.startswith((BUILTIN, GYMNASIUM)):
-        try:
-            env = make()
-            checked_reset(env, 0, name)
-        except EnvError as e:
-            raise UserError(
-                str(e), field="env.kwargs", fix="check env.kwargs against the environment"
-            ) from None
-        except Exception as e:
-            raise UserError(
-                f"env.name {name!r} with env.kwargs {kwargs}: {type(e).__name__}: {e}",
-                field="env.kwargs",
-                fix="check env.kwargs against the environment's options",
-            ) from None
+    try:
+        env = make()
+        checked_reset(env, 0, name)
+    except EnvError as e:
+        raise UserError(str(e), field="env.kwargs", fix="check env.kwargs against the environment") from None
+    except Exception as e:
+        raise UserError(
+            f"env.name {name!r} with env.kwargs {kwargs}: {type(e).__name__}: {e}",
+            field="env.kwargs",
+            fix="check env.kwargs against the environment's options",
+        ) from None
+    return None
 
 
 def _check_gymnasium_id(name: str, env_id: str) -> None:

@@ -1,6 +1,7 @@
 """Rules of an env job (multi-turn agent RL, the `env:` section): the environment resolves, an episode's
 token budget fits the model and holds a turn, the servers fit the CPU cores, a remote address has a
-token. Nothing here starts a server; builtin: and gymnasium: environments are made and reset once."""
+token. Nothing here starts a server; the environment is made and reset once (seed 0), a user's in a child
+process under a deadline (env/probe.py), so check says what train would stop on."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ def env_resolvable(ctx: Context):
         return
     from gpufleet.env import source
 
+    folders, build = usercode.roots(ctx.r.job_path), not cfg.address  # remote servers run their own
     try:
-        source.check(cfg.name, dict(cfg.kwargs), usercode.roots(ctx.r.job_path))
+        slow = source.check(cfg.name, dict(cfg.kwargs), folders, build=build, reset_timeout=cfg.reset_timeout)
     except UserError as e:
         yield err([ctx.ref(e.field or "env.name")], getattr(e, "why", None) or e.message, e.fix)
+        return
+    if slow is not None:
+        yield warn([ctx.ref(slow.field or "env.name")], slow.message, slow.fix or "")
 
 
 @rule
