@@ -189,8 +189,6 @@ def why(r: Resolved, plan: Plan) -> list[str]:
             f"grads and AdamW states in host RAM ({gib(plan.host.offloaded)} GiB per node), AdamW steps on "
             "the CPU"
         )
-    if plan.reward_model == "unsized":
-        out.append(f"reward.model {r.job.reward.model}: config not available, its memory is not counted")
     if isinstance(pl.reference, list) or isinstance(pl.reward, list):
         out.append(
             "placement.reference / placement.reward name device ids: dedicated scorer rank(s), as given"
