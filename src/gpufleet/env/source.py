@@ -57,25 +57,18 @@ def factory(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = N
     return lambda: cls(**kwargs)
 
 
-def check(
-    name: str,
-    kwargs: dict[str, Any],
-    folders: Sequence[str] | None = None,
-    *,
-    build: bool = True,
-    reset_timeout: float = 600.0,
-) -> UserError | None:
-    """Resolve `name`, make one environment and reset it (seed 0): builtin: and gymnasium: here (cheap
-    and ours), a user's class in a child process under a deadline (probe.py; `build` False: only import
-    it and check env.kwargs against its constructor). UserError for what train would stop on; returns a
-    warning (a UserError, not raised) for a reset slower than check waits."""
-    if not name.startswith((BUILTIN, GYMNASIUM)):
-        if not build:
-            factory(name, kwargs, folders)
-            return None
-        from gpufleet.env.probe import probe
+def is_users(name: str) -> bool:
+    """Whether `name` is the user's class (module:Class, file.py:Class), not builtin: or gymnasium:."""
+    return not name.startswith((BUILTIN, GYMNASIUM))
 
-        return probe(name, dict(kwargs), list(folders or []), reset_timeout)
+
+def check(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = None) -> None:
+    """Resolve `name`; builtin: and gymnasium: environments are also made and reset once (cheap and
+    ours); a user's class is imported and its constructor checked against env.kwargs (`gpufleet check`
+    then makes and resets it in a child process: probe.py)."""
+    if is_users(name):
+        factory(name, kwargs, folders)
+        return
     make = factory(name, kwargs, folders)
     try:
         env = make()
@@ -88,7 +81,6 @@ def check(
             field="env.kwargs",
             fix="check env.kwargs against the environment's options",
         ) from None
-    return None
 
 
 def _check_gymnasium_id(name: str, env_id: str) -> None:

@@ -16,11 +16,14 @@ def env_resolvable(ctx: Context):
     cfg = ctx.job.env
     if not cfg.name:
         return
-    from gpufleet.env import source
+    from gpufleet.env import probe, source
 
-    folders, build = usercode.roots(ctx.r.job_path), not cfg.address  # remote servers run their own
+    folders, slow = usercode.roots(ctx.r.job_path), None
     try:
-        slow = source.check(cfg.name, dict(cfg.kwargs), folders, build=build, reset_timeout=cfg.reset_timeout)
+        if source.is_users(cfg.name) and not cfg.address:  # remote servers run their own
+            slow = probe.probe(cfg.name, dict(cfg.kwargs), folders, cfg.reset_timeout)
+        else:
+            source.check(cfg.name, dict(cfg.kwargs), folders)
     except UserError as e:
         yield err([ctx.ref(e.field or "env.name")], getattr(e, "why", None) or e.message, e.fix)
         return
