@@ -111,7 +111,7 @@ def test_watch_of_the_finished_launch(launched):
     assert re.search(r"samples 160/160 \(100%\)  [\d.]+ samples/s  finished", head), p.stdout
     assert "rank 0 done after 40 steps" in p.stdout and "rank 1 done after 40 steps" in p.stdout
     # the devices panel of a run that has ended: each rank's peak, not the sample taken after the exit
-    assert "devices (ended: peaks over the run)" in p.stdout
+    assert "devices (the run is over: peaks over the run)" in p.stdout
     rss = [float(x) for x in re.findall(r"rank \d worker .* ([\d.]+) GiB rss", p.stdout)]
     assert len(rss) == 2 and min(rss) >= 0.05, p.stdout  # the 50 MiB each rank held
     assert "0.00 GiB rss" not in p.stdout
@@ -138,7 +138,7 @@ def test_launch_json_gives_progress_recipe_and_eta(launched, tmp_path):
     assert re.search(r"samples 80/160 \(50%\)  [\d.]+ samples/s  eta 0:0\d", p.stdout), p.stdout
     assert " ".join(launch["command"]) in p.stdout and "2 per node x 1 node(s)" in p.stdout
     assert re.search(r"per-device batch +│ 2 +\(reference 4\)", p.stdout), p.stdout
-    assert "GPUFLEET_PER_DEVICE_BATCH=2" in p.stdout and "devices (ended" not in p.stdout
+    assert "GPUFLEET_PER_DEVICE_BATCH=2" in p.stdout and "the run is over" not in p.stdout
 
 
 def test_report_of_a_launched_script(launched, tmp_path):

@@ -11,6 +11,9 @@ One record: `{"t": unix time, "node": n, "cpu_percent": machine %, "gpus": [...]
   (of one core: 200 = two cores busy) and `rss` (bytes), each summed over the rank's process tree (a
   launched script's children count for it). A rank is a process carrying torchrun's RANK variable; an
   in-process run (`gpufleet train` with one process) is the launcher itself, rank 0.
+* env_servers (psutil; only on an agent run): per environment server process under the launcher
+  (`python -m gpufleet.env.server`, env/servers.py) `index`, `pid`, `cpu_percent` and `rss`. They are
+  never counted in a rank's numbers: for agent RL the environment is a cost of its own.
 
 The thread sleeps between samples (a sample reads /proc and NVML: about a millisecond), dies with the
 process, and never stops the run: a failed query leaves that value None.
@@ -41,13 +44,18 @@ class RankProcesses:
         self.root = psutil.Process(root)
         self.in_process = in_process
         self.known: dict[int, tuple[psutil.Process, int | None]] = {}
+        self.servers: dict[int, tuple[psutil.Process, int]] = {}  # pid -> (env server, its index)
 
     def _rank_of(self, p: psutil.Process) -> int | None:
         if p.pid not in self.known:
             try:
                 raw = p.environ().get("RANK")
                 young = time.time() - p.create_time() < 10  # maybe between fork and exec: ask again
+                server = env_server_index(p.cmdline())
             except (psutil.Error, OSError):
+                raw, young, server = None, False, None
+            if server is not None:  # its own entry, never a rank's (it may inherit RANK)
+                self.servers[p.pid] = (p, server)
                 raw, young = None, False
             rank = int(raw) if raw and raw.isdigit() else None
             if rank is None and young:
@@ -69,7 +77,31 @@ class RankProcesses:
             out[0] = [self.known.setdefault(self.root.pid, (self.root, 0))[0]]
         alive = {p.pid for p in tree} | {self.root.pid}
         self.known = {pid: v for pid, v in self.known.items() if pid in alive}
+        self.servers = {pid: v for pid, v in self.servers.items() if pid in alive}
         return out
+
+    def env_servers(self) -> list[dict]:
+        """index, pid, CPU% and RSS of every env server seen by the last `by_rank` (children included)."""
+        out = []
+        for pid, (p, index) in sorted(self.servers.items(), key=lambda kv: kv[1][1]):
+            try:
+                procs = [p, *p.children(recursive=True)]
+            except psutil.Error:
+                continue
+            pids, cpu, rss = rank_usage(procs)
+            if pids:
+                out.append({"index": index, "pid": pid, "cpu_percent": cpu, "rss": rss})
+        return out
+
+
+def env_server_index(cmdline: list[str]) -> int | None:
+    """The index of an environment server (`-m gpufleet.env.server ... --ready-file .../server-<i>.ready`),
+    None for any other process."""
+    if "gpufleet.env.server" not in cmdline:
+        return None
+    ready = cmdline[cmdline.index("--ready-file") + 1] if "--ready-file" in cmdline[:-1] else ""
+    stem = Path(ready).name.removeprefix("server-").removesuffix(".ready")
+    return int(stem) if stem.isdigit() else 0
 
 
 def rank_usage(procs: list[psutil.Process]) -> tuple[list[int], float, int]:
@@ -157,13 +189,17 @@ class DeviceSampler:
         for g in gpus:
             pids = set(g.pop("pids"))
             g["ranks"] = [r["rank"] for r in ranks if r["device"] == g["index"] or pids & set(r["pids"])]
-        return {
+        record = {
             "t": time.time(),
             "node": self.node,
             "cpu_percent": psutil.cpu_percent(None),
             "gpus": gpus,
             "ranks": ranks,
         }
+        servers = self.ranks.env_servers()
+        if servers:
+            record["env_servers"] = servers
+        return record
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

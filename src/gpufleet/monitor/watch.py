@@ -10,7 +10,7 @@ reward, KL and completion length (and an agent run's env/* metrics); per device 
 memory, or per rank CPU% and resident memory) bars, and each environment server's CPU% and memory; per
 rank the last step time and its slowest phase; the last warning. A launched script: samples, samples/s,
 progress and ETA from its progress lines, the command and recipe, the devices, each rank's last line.
-A run that has ended shows each device's peak over the run instead of the sample taken after the exit.
+A run that is over shows each device's peak over the run instead of the sample taken after the exit.
 """
 
 from __future__ import annotations
@@ -78,6 +78,21 @@ def bar(fraction: float, width: int = 20) -> str:
     return "█" * full + "░" * (width - full)
 
 
+def _finished(run: Run) -> bool:
+    """A train run with its final model or all its steps; a launched script with all its samples."""
+    if run.launched is not None:
+        total = run.launched.total_samples
+        return bool(total and run.launched.samples >= total)
+    step, total = int(run.metrics[-1].get("step", 0)) if run.metrics else 0, max_steps(run)
+    return (run.path / "final").exists() or (total is not None and step >= total)
+
+
+def is_over(run: Run) -> bool:
+    """Finished, failed, or its processes gone (the sampler's newest record finds no rank alive)."""
+    failed = run.launched is not None and run.launched.failed()
+    return bool(_finished(run) or failed or ended(run.devices))
+
+
 def _header(run: Run) -> Text:
     if run.launched is not None:
         return _launched_header(run, run.launched)
@@ -85,8 +100,12 @@ def _header(run: Run) -> Text:
     step, total = int(last.get("step", 0)), max_steps(run)
     recent = [m["step_time"] for m in run.metrics[-10:] if "step_time" in m]
     per_step = sum(recent) / len(recent) if recent else math.nan
-    done = (run.path / "final").exists() or (total is not None and step >= total)
-    eta = "finished" if done else f"eta {fmt_time(per_step * ((total or step) - step))}"
+    if _finished(run):
+        eta = "finished"
+    elif ended(run.devices):
+        eta = "ended before its last step (no final model; see logs/)"
+    else:
+        eta = f"eta {fmt_time(per_step * ((total or step) - step))}"
     return Text(f"{run.name}  step {step}/{total or '?'}  {per_step:.2f}s/step  {eta}", style="bold")
 
 
@@ -104,7 +123,7 @@ def _launched_header(run: Run, ln: Launched) -> Text:
     failed = ln.failed()
     if failed:
         end = f"failed: {failed}"
-    elif (total and ln.samples >= total) or ended(run.devices):
+    elif _finished(run) or ended(run.devices):  # (a script without a recipe: its ranks have exited)
         end = "finished"
     else:
         eta = ln.eta_s()
@@ -139,10 +158,10 @@ def _curves(run: Run) -> Table:
 def _devices(run: Run) -> Table:
     """The newest sample of every node's devices (labels carry the node on a run over several); once
     the run has ended, each device's peak over the run."""
-    over = ended(run.devices)
+    over = is_over(run)
     top = peaks(run.devices) if over else {}
     t = Table(
-        title="devices" + (" (ended: peaks over the run)" if over else ""),
+        title="devices" + (" (the run is over: peaks over the run)" if over else ""),
         title_justify="left",
         show_edge=False,
     )
