@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import console_script, process_env, run_user
+from test_monitor_report import CHROMIUM, PROBE, chromium
 
 SCRIPT = """
 import os, sys, time
@@ -155,3 +156,18 @@ def test_report_of_a_launched_script(launched, tmp_path):
     assert 'id="fig-progress"' in page and 'id="fig-devices"' in page
     assert "no job.yaml" not in page and "Plan vs measured" not in page
     assert sorted(x.name for x in (run / "report").glob("*.png")) == ["devices.png", "progress.png"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (`make test` installs it when root)")
+def test_report_of_a_launched_script_in_a_real_browser(launched, tmp_path):
+    run = with_launch_json(launched[0], tmp_path / "browser")
+    assert run_user("report", str(run), cwd=tmp_path).returncode == 0
+    index = run / "report" / "index.html"
+    dom, console = chromium(index)
+    assert console == [] and 'id="fig-progress"' in dom and "Launched script: browser" in dom
+    probe = index.with_name("probe.html")
+    probe.write_text(index.read_text().replace("</body>", PROBE + "</body>"))
+    dom, console = chromium(probe)
+    widths = [int(w) for w in re.search(r'data-widths="([\d,]+)"', dom).group(1).split(",")]
+    assert len(widths) == 2 and min(widths) > 500 and console == []  # progress.png, devices.png decode
