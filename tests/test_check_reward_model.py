@@ -174,4 +174,4 @@ def test_a_folder_with_config_json_alone(home):
     code, out = gpufleet(home, "plan", "job.yaml", "--gpus", "1x80GB", *sets("reward.model=rm"))
     assert code == 0 and "holds no weights: counted from its config.json" in out, out
     code, out = gpufleet(home, "check", "job.yaml", "--gpus", "1x80GB", *sets("reward.model=rm"))
-    assert code == 2 and "holds no weights" in out, out
+    assert code == 2 and "holds no weights" in out and "hf download ID config.json" in out, out

@@ -229,7 +229,8 @@ def folder_problems(folder: Path) -> list[tuple[str, str]]:
         problems.append(
             (
                 f"{folder} holds no weights ({', '.join(WEIGHT_FILES[:3])}).",
-                "copy the weight files in, or save the model with save_pretrained",
+                "copy the weight files in, or save the model with save_pretrained (to plan for a hub model you do "
+                "not have: name its id, with its config.json alone in the cache: hf download ID config.json)",
             )
         )
     problems.extend(_tokenizer_problems(folder))
