@@ -95,6 +95,7 @@ class EnvPool:
         self.limits = {"/reset": reset_timeout, "/step": step_timeout, "/close": step_timeout}
         self.labels, self.say = list(labels or range(len(self._addresses))), say
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        self.says_success = False  # an info of this pool's has had a "success" key (rl/episodes.py)
         self._episodes: dict[str, _Episode] = {}
         self._load = [0] * len(self._addresses)
         self._conns: dict[int, _Conn] = {}
@@ -137,6 +138,7 @@ class EnvPool:
                     raise TypeError(f"episode {eid!r}: action must be str, got {type(action).__name__}")
             body = [{"id": eid, "action": action} for eid, action in items]
             out = self._call("/step", body, self._step_done)
+            self.says_success = self.says_success or any("success" in r["info"] for r in out)
             return [(r["observation"], r["reward"], r["terminated"], r["truncated"], r["info"]) for r in out]
 
     def close(self, ids: list[str]) -> None:

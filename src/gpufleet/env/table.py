@@ -151,6 +151,7 @@ class LocalPool:
     ):
         self.name, self.reset_timeout, self.step_timeout, self.say = name, reset_timeout, step_timeout, say
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        self.says_success = False  # an info of this pool's has had a "success" key (rl/episodes.py)
         self._table = Episodes(make, name)
         self._runner = Runner(self._table)
 
@@ -165,7 +166,9 @@ class LocalPool:
         self.stats["requests"] += 1
         self._table.check_steppable([eid for eid, _ in items])
         job = lambda: [self._table.step(eid, action)[:5] for eid, action in items]  # noqa: E731
-        return self._runner.run(job, self.step_timeout, self.say)
+        out = self._runner.run(job, self.step_timeout, self.say)
+        self.says_success = self.says_success or any("success" in r[4] for r in out)
+        return out
 
     def close(self, ids: list[str]) -> None:
         self._runner.run(lambda: self._table.close(ids), self.step_timeout, self.say)

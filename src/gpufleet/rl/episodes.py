@@ -62,7 +62,7 @@ class _Episode:
     invalid: int = 0
     observed: int = 0
     cut: int = 0
-    success: float = float("nan")
+    success: float = 0.0  # what info["success"] said last; an episode that never says is no success
     done: bool = False
     truncated: bool = False
 
@@ -199,6 +199,7 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         "turns": torch.tensor([float(e.turns) for e in eps]),
         "invalid": torch.tensor([float(e.invalid) for e in eps]),
         "success": torch.tensor([e.success for e in eps]),
+        "said": torch.tensor([float(getattr(p.env, "says_success", True))] * len(eps)),  # ever, this run
         "cut": torch.tensor([float(e.cut) for e in eps]),
         "observed": torch.tensor([float(e.observed) for e in eps]),
     }
@@ -214,20 +215,20 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
 
 
 def episode_stats(rt, e: Episodes) -> dict[str, float]:
-    """Per generation batch over every rank: env/turns_mean, env/success_rate (episodes whose env said),
-    env/invalid_action_rate (per action), env/observation_cut_rate (per observation);
-    `timing/env` is the step clock's (monitor/timing.py)."""
+    """Per generation batch over every rank: env/turns_mean, env/success_rate (the episodes whose env said
+    `success: True` last, over all episodes: one that ends without saying is no success; NaN until some
+    info of the run has had a `success` key), env/invalid_action_rate (per action),
+    env/observation_cut_rate (per observation); `timing/env` is the step clock's (monitor/timing.py)."""
     from gpufleet.dist import all_reduce_sum
 
     c = e.counts
-    said = ~torch.isnan(c["success"])
     local = torch.tensor(
         [
             float(len(c["turns"])),
             float(c["turns"].sum()),
             float(c["invalid"].sum()),
-            float(c["success"][said].sum()),
-            float(said.sum()),
+            float(c["success"].sum()),
+            float(c["said"].sum()),
             float(c["cut"].sum()),
             float(c["observed"].sum()),
         ]
@@ -235,7 +236,7 @@ def episode_stats(rt, e: Episodes) -> dict[str, float]:
     n, turns, invalid, success, said_n, cut, obs = all_reduce_sum(rt, local).tolist()
     return {
         "env/turns_mean": turns / max(n, 1),
-        "env/success_rate": success / said_n if said_n else float("nan"),
+        "env/success_rate": success / max(n, 1) if said_n else float("nan"),
         "env/invalid_action_rate": invalid / max(turns, 1),
         "env/observation_cut_rate": cut / max(obs, 1),
     }
