@@ -19,7 +19,10 @@ class EnvSection(Section):
     e.g. `gymnasium:FrozenLake-v1`, through a text adapter), or your class as `module:Class` /
     `path/to/file.py:Class` with `reset(seed=) -> (observation, info)` and `step(action) -> (observation,
     reward, terminated, truncated, info)` over text. Each episode's reset seed comes from train.seed and
-    its group; the G episodes of a group share it. With an env, `data` is not read."""
+    its group; the G episodes of a group share it. With an env, `data` is not read. An `info` may say
+    `success` (bool): the metric env/success_rate is the share of a generation batch's episodes whose
+    last `success` was True -- an episode that ends without saying is no success -- and is NaN until
+    some info of the run has had the key (an env that never says has no rate, not 0)."""
 
     kwargs: Mapping = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor (for gymnasium: those of `gymnasium.make`,
