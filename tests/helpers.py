@@ -21,8 +21,19 @@ def process_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
     env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), str(root / "src")])
     env["OMP_NUM_THREADS"] = "1"
+    env["PATH"] = activated_path()
     env.update(extra)
     return env
+
+
+def activated_path() -> str:
+    """PATH as in a shell where the venv is activated: its bin/ first (a bare `python` in a launched
+    command is then the venv's, as for a user who installed gpufleet and torch there)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
 
 
 def run_process(*args: str, cwd, env_extra=None, timeout: int = 300):
@@ -65,6 +76,7 @@ def run_user(*args: str, cwd, env_extra=None, timeout: int = 300):
 
     env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
     env.pop("PYTHONPATH", None)
+    env["PATH"] = activated_path()
     env.update(env_extra or {})
     return subprocess.run(
         [console_script(), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout

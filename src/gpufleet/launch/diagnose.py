@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -69,11 +69,13 @@ class Failure:
     message: str
     user_error: bool
     tail: list[str]
+    stacks: list[str] = field(default_factory=list)  # after a collective timeout: where every rank was
 
     def summary(self, logs: Path, exit_code: int) -> str:
         if self.user_error:
             return f"gpufleet: error: {self.message}"
         lines = [f"gpufleet: rank {self.rank} failed: {self.kind}: {self.message}"]
+        lines += [f"  {x}" for x in self.stacks]
         if self.tail:
             lines.append(f"  last lines of {logs / f'rank{self.rank}.log'}:")
             lines += [f"    {x}" for x in self.tail]
@@ -107,6 +109,7 @@ def first_failure(logs: Path, tail: int = 12) -> Failure | None:
         rec["message"].splitlines()[0] if rec["message"] else "",
         bool(rec.get("user_error")),
         lines,
+        list(rec.get("stacks") or []),
     )
 
 

@@ -20,7 +20,8 @@ class Ended:
     rank: int
     code: int
     log: Path
-    text: str  # the log of the last attempt
+    text: str  # the log of the last attempt, without torch's `[rank1]:` line prefixes
+    program: str | None = None  # the program the command ran (the Python a missing module belongs in)
 
 
 def first_ended(logs: Path) -> Ended | None:
@@ -33,11 +34,16 @@ def first_ended(logs: Path) -> Ended | None:
     return Ended(rec["rank"], rec["code"], log, last_attempt(log))
 
 
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]:[ ]?", re.M)
+"""torch prefixes each line of a rank's traceback with `[rank1]:` once init_process_group has run."""
+
+
 def last_attempt(log: Path) -> str:
-    """A rank's log since its last start (torchrun restarts append to the same file)."""
+    """A rank's log since its last start (torchrun restarts append to the same file), without torch's
+    `[rankN]:` prefixes."""
     text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
     start = text.rfind("--- rank ")
-    return text[start:] if start >= 0 else text
+    return _TORCH_PREFIX.sub("", text[start:] if start >= 0 else text)
 
 
 def _oom(e: Ended, ref: Recipe, now: Recipe) -> str | None:
@@ -60,9 +66,14 @@ def _missing_module(e: Ended, ref: Recipe, now: Recipe) -> str | None:
     if not m:
         return None
     top = m.group(1).split(".")[0]
+    where = (
+        f"{e.program} -m pip install {top}"
+        if e.program and "python" in Path(e.program).name
+        else (f"pip install {top} into the Python that runs it")
+    )
     return (
-        f"the script imports {m.group(1)!r}, which is not installed where it runs. Fix: pip install {top} "
-        "into the Python that runs it, or put its folder on PYTHONPATH"
+        f"the script imports {m.group(1)!r}, which is not installed where it runs. Fix: {where}, or put its "
+        "folder on PYTHONPATH, or give the Python that has it: gpufleet launch -- /path/to/venv/bin/python ..."
     )
 
 
@@ -77,16 +88,16 @@ def _address_in_use(e: Ended, ref: Recipe, now: Recipe) -> str | None:
 
 # gloo: "Timed out waiting 3000ms for recv operation to complete"; NCCL's watchdog: "Watchdog caught
 # collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, ...) ran for 600038 milliseconds".
-_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (?:recv|send) operation|collective operation timeout")
+TIMEOUT = re.compile(r"Timed out waiting \d+ms for (?:recv|send) operation|collective operation timeout")
 
 
 def _timeout(e: Ended, ref: Recipe, now: Recipe) -> str | None:
-    if not _TIMEOUT.search(e.text):
+    if not TIMEOUT.search(e.text):
         return None
     lagging = []  # the ranks that had not reached the collective: their logs show no timeout
     for log in sorted(e.log.parent.glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0)):
         text = last_attempt(log)
-        if not _TIMEOUT.search(text):
+        if not TIMEOUT.search(text):
             last = next((x for x in reversed(text.splitlines()[1:]) if x.strip()), "(no output)")
             lagging.append(f"rank {log.stem[4:]} (its last line: {last.strip()[:120]!r})")
     who = ", ".join(lagging) if lagging else "another rank"
@@ -145,17 +156,18 @@ CAUSES: list[Callable[[Ended, Recipe, Recipe], str | None]] = [
 ]
 
 
-def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe) -> str:
-    """The one-paragraph summary printed after a failed launch."""
+def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe, program: str | None = None) -> str:
+    """The one-paragraph summary printed after a failed launch (`program`: what the command ran)."""
     e = first_ended(logs)
     if e is None:
         return (
             f"gpufleet: the launch failed before any rank ran its command (torchrun exit code {agent_code}); "
             f"see {logs / 'torchrun.log'}"
         )
+    e.program = program
     cause = next((c for c in (f(e, ref, now) for f in CAUSES) if c), None)
     if cause is None:
-        errors = re.findall(r"^(\w+(?:Error|Exception)\b.*)$", e.text, re.M)
+        errors = re.findall(r"^((?:\w+\.)*\w+(?:Error|Exception)\b.*)$", e.text, re.M)
         cause = errors[-1] if errors else f"the command {how_it_ended(e.code)}"
     tail = [x for x in e.text.splitlines()[1:] if x.strip()][-8:]
     lines = [f"gpufleet: rank {e.rank} failed first: {cause}"]

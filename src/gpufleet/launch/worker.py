@@ -74,8 +74,16 @@ def run_worker(job_file: str, gpus: str) -> int:
     out = user_path(job.output.dir)
     logs = out / "logs"
     (logs / f"rank{rank}.error.json").unlink(missing_ok=True)
-    with rank_log(logs, rank, console=rank == 0):
-        return _run_rank(r, job, out, logs, rank, gpus, Path(job_file) if local_rank == 0 else None)
+    hook = _stack_hook(out, rank)
+    try:
+        with rank_log(logs, rank, console=rank == 0):
+            return _run_rank(r, job, out, logs, rank, gpus, Path(job_file) if local_rank == 0 else None)
+    finally:
+        if hook is not None:
+            hook.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                hook.parent.rmdir()  # the last rank of the node to leave removes the folders
+                hook.parent.parent.rmdir()
 
 
 def _keep_job(job_file: Path, out: Path) -> None:
@@ -112,6 +120,10 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str, keep: Path | 
             from gpufleet.rl.scorer import serve
 
             serve(rt, job)
+        elif rt.role == "rollout":
+            from gpufleet.rl import rollouts
+
+            rollouts.serve(rt, job)
         else:
             _train(rt, job, out)
         dist.shutdown(rt)
@@ -128,10 +140,37 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str, keep: Path | 
             "user_error": isinstance(e, UserError),
             "traceback": traceback.format_exc(),
             "time": time.time(),
+            "stacks": _stacks_if_timeout(e, out, logs, rank),
         }
         (logs / f"rank{rank}.error.json").write_text(json.dumps(record), encoding="utf-8")
         traceback.print_exc()
         return 2 if isinstance(e, UserError) else 1
+
+
+def _stack_hook(out: Path, rank: int) -> Path | None:
+    """faulthandler on gpufleet's stack signal, so a rank whose collective times out can show this one's
+    stack (launch/stacks.py); the file it writes to (None without a writable temporary folder)."""
+    from gpufleet.launch.stacks import node_folder, register_rank
+
+    try:
+        return register_rank(node_folder(out), rank)
+    except OSError:
+        return None
+
+
+def _stacks_if_timeout(e: BaseException, out: Path, logs: Path, rank: int) -> list[str]:
+    """After a collective timed out on this rank: where every rank of this node is (else [])."""
+    from gpufleet.launch.scriptfail import TIMEOUT
+    from gpufleet.launch.stacks import after_timeout, node_folder
+
+    if not TIMEOUT.search(str(e)):
+        return []
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    name = "stacks.txt" if node == 0 else f"stacks.node{node}.txt"
+    try:
+        return after_timeout(node_folder(out), rank, e, logs / name)
+    except OSError as err:
+        return [f"no stacks: {err}"]
 
 
 def _train(rt, job, out: Path) -> None:

@@ -4,14 +4,18 @@
 
 The job's `script:` section holds the recipe that worked on `reference_devices` devices and the rules
 that scale it; the scaled values replace the {placeholders} in the command and reach the script as
-GPUFLEET_* variables. Checks first (every problem at once), then torchrun with one `rankexec` per rank
-(per-rank logs, rank 0 on the terminal), then one paragraph naming the first failing rank and the fix.
+GPUFLEET_* variables. The command runs as written (a bare `python` is the one on PATH, as in a shell).
+Checks first (every problem at once), then torchrun with one `rankexec` per rank (per-rank logs, rank 0's
+output and every rank's stderr on the terminal, OUTPUT/launch.json), a watchdog that stops a run whose
+ranks stay silent for launch.collective_timeout with every rank's stack, then one paragraph naming the
+first failing rank and the fix.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from gpufleet.errors import EXIT_USER_ERROR, UserError
 from gpufleet.hardware import Hardware, hardware_here, resolve_hardware
 from gpufleet.launch import recipe
 from gpufleet.launch.checks import findings
+from gpufleet.launch.scriptrun import program
 from gpufleet.paths import user_path
 from gpufleet.preflight import p2p_env
 from gpufleet.text import plural
@@ -53,12 +58,15 @@ def launch_command(
         )
     per_node = _nproc(jb, hw)
     now = recipe.scaled(jb.script, per_node * jb.launch.nnodes)
-    out = user_path(jb.output.dir)
+    out, out_source = _run_dir(r, env)
     values = recipe.values(now, per_node, str(out))
     argv = recipe.fill(cmd, values)
     problems = findings(argv, per_node, hw, r, dry_run)
     extra, p2p_note = p2p_env(hw, range(per_node) if not hw.is_cpu else (), env)
+    prog = program(argv, {**env, **extra})
     _header(argv, per_node, hw, r, now)
+    print(prog.note)
+    print(f"  run folder: {out} ({out_source})")
     for level, text in problems:
         print(f"{level}: {text}", file=sys.stderr if level == "error" else sys.stdout)
     if any(level == "error" for level, _ in problems):
@@ -73,7 +81,7 @@ def launch_command(
         return 0
     if scaling:
         return _scaling(jb, cmd, scaling, scaling_seconds, hw, out, env)
-    return _run(jb, argv, per_node, values, out, env, now, cpu=hw.is_cpu)
+    return _run(jb, prog, per_node, values, out, env, now, cpu=hw.is_cpu)
 
 
 def _header(argv: list[str], per_node: int, hw: Hardware, r, now: recipe.Recipe) -> None:
@@ -91,6 +99,28 @@ def _header(argv: list[str], per_node: int, hw: Hardware, r, now: recipe.Recipe)
         print(recipe.table(recipe.reference(jb.script), now))
 
 
+def _run_dir(r, env: Mapping[str, str]) -> tuple[Path, str]:
+    """output.dir, or, when the job leaves it at its default, a new folder for this launch
+    (runs/launch-YYYYmmdd-HHMMSS[-N]): two launches never share their logs. Several nodes need a name they
+    all compute alike: runs/launch-slurm-<job>[.<step>] inside Slurm, else output.dir's default. With
+    where the folder comes from, for the header."""
+    if str(r.source("output.dir")) != "default":
+        return user_path(r.job.output.dir), "output.dir"
+    parent = Path(r.job.output.dir).parent
+    if r.job.launch.nnodes > 1:
+        job = env.get("SLURM_JOB_ID")
+        if not job:
+            return user_path(r.job.output.dir), "output.dir's default"
+        step = f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID") else ""
+        return user_path(str(parent / f"launch-slurm-{job}{step}")), "this Slurm step's; output.dir sets it"
+    base = user_path(str(parent / time.strftime("launch-%Y%m%d-%H%M%S")))
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out, "new for this launch; output.dir sets it"
+
+
 def _nproc(jb, hw: Hardware) -> int:
     n = jb.launch.nproc_per_node
     if n != "auto":
@@ -102,37 +132,9 @@ def _env_name(key: str) -> str:
     return f"GPUFLEET_{key.upper()}"
 
 
-def _target(argv: list[str], logs: Path, progress_regex: str) -> list[str]:
-    """torchrun's target: every rank runs `rankexec LOGS -- command` (python scripts use this Python)."""
-    if Path(argv[0]).name.startswith("python"):
-        argv = [sys.executable, *argv[1:]]
-    return ["-m", "gpufleet.launch.rankexec", str(logs), "--progress", progress_regex, "--", *argv]
-
-
-def _start(
-    jb,
-    argv: list[str],
-    per_node: int,
-    values: dict[str, str],
-    out: Path,
-    env,
-    stop_when=None,
-) -> int:
-    """Run the command on every rank through torchrun; the agent's exit code (or torchrun.STOPPED)."""
-    from gpufleet.launch.torchrun import agent_argv, run_agent, worker_env
-
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    full = agent_argv(jb.launch, per_node, str(out.resolve())) + _target(argv, logs, jb.script.progress_regex)
-    child_env = {**worker_env(per_node, env), **{_env_name(k): v for k, v in values.items()}}
-    agent = logs / ("torchrun.log" if jb.launch.nnodes == 1 else f"torchrun.node{jb.launch.node_rank}.log")
-    with agent.open("a", encoding="utf-8") as agent_log:
-        return run_agent(full, child_env, agent_log, stop_when=stop_when)
-
-
 def _run(
     jb,
-    argv: list[str],
+    prog,
     per_node: int,
     values: dict[str, str],
     out: Path,
@@ -143,21 +145,29 @@ def _run(
 ) -> int:
     """Run the ranks (beside them the device sampler, monitor.device_interval), then say how it ended."""
     from gpufleet.launch.scriptfail import explain
+    from gpufleet.launch.scriptrun import start, write_record
     from gpufleet.launch.torchrun import Interrupted
     from gpufleet.monitor.devices import sampling
 
     logs, node = out / "logs", jb.launch.node_rank
     labels = {node * per_node + i: ("worker", None if cpu else i) for i in range(per_node)}
+
+    def record(added: dict[str, str]) -> None:
+        write_record(out, jb, prog, per_node, now, added)
+
     try:
         with sampling(jb.monitor.device_interval, out, node, labels, cpu=cpu):
-            code = _start(jb, argv, per_node, values, out, env)
+            run = start(jb, prog.argv, per_node, values, out, env, record=record)
     except Interrupted as e:
         print(f"gpufleet: interrupted ({e}); every rank was stopped. Logs: {logs}/", file=sys.stderr)
         return 130
-    if code == 0:
+    if run.silence.found is not None:
+        print(run.silence.summary(logs), file=sys.stderr)
+        return 1
+    if run.code == 0:
         print(f"done: {plural(per_node * jb.launch.nnodes, 'rank')} finished; logs: {logs}/")
         return 0
-    print(explain(logs, code, recipe.reference(jb.script), now), file=sys.stderr)
+    print(explain(logs, run.code, recipe.reference(jb.script), now, program=prog.path), file=sys.stderr)
     return 1
 
 
@@ -185,6 +195,7 @@ def _scaling(jb, cmd: list[str], counts: Sequence[int], seconds: float, hw: Hard
     samples/s from rank 0's progress lines, the speed-up and the efficiency."""
     from gpufleet.launch import scaling
     from gpufleet.launch.scriptfail import explain
+    from gpufleet.launch.scriptrun import start
     from gpufleet.launch.torchrun import STOPPED, Interrupted
 
     rows = []
@@ -197,12 +208,15 @@ def _scaling(jb, cmd: list[str], counts: Sequence[int], seconds: float, hw: Hard
         try:
             progress = run_out / "logs" / "progress.jsonl"
             progress.unlink(missing_ok=True)
-            code = _start(jb, argv, n, values, run_out, env, stop_when=_measured(progress, seconds))
+            run = start(jb, program(argv, env).argv, n, values, run_out, env, _measured(progress, seconds))
         except Interrupted:
             print("gpufleet: interrupted; every rank was stopped.", file=sys.stderr)
             return 130
-        if code not in (0, STOPPED):
-            print(explain(run_out / "logs", code, recipe.reference(jb.script), now), file=sys.stderr)
+        if run.silence.found is not None:
+            print(run.silence.summary(run_out / "logs"), file=sys.stderr)
+            return 1
+        if run.code not in (0, STOPPED):
+            print(explain(run_out / "logs", run.code, recipe.reference(jb.script), now), file=sys.stderr)
             return 1
         rows.append((n, scaling.throughput(scaling.read_points(run_out / "logs" / "progress.jsonl"))))
     print(scaling.table(rows))
