@@ -85,13 +85,7 @@ def devices(runs: list[Run], path: Path) -> bool:
     if not with_samples:
         return False
     fig, (busy, mem) = plt.subplots(1, 2, figsize=(13, 4))
-    for run in with_samples:
-        t0 = run.devices[0]["t"]
-        tag = f"{run.name} " if len(with_samples) > 1 else ""
-        for label, points in device_series(run.devices).items():
-            ts = [p[0] - t0 for p in points]
-            busy.plot(ts, [p[1] for p in points], label=tag + label, linewidth=1)
-            mem.plot(ts, [p[2] / GIB for p in points], label=tag + label, linewidth=1)
+    _over_time(busy, mem, with_samples, device_series)
     gpu = any(rec.get("gpus") for r in with_samples for rec in r.devices)
     busy.set_title("GPU utilisation (%)" if gpu else "CPU % per rank (100 = one core)")
     mem.set_title("GPU memory used (GiB)" if gpu else "resident memory per rank (GiB)")
@@ -101,6 +95,18 @@ def devices(runs: list[Run], path: Path) -> bool:
     busy.legend(fontsize=8)
     _save(fig, path)
     return True
+
+
+def _over_time(busy, mem, runs: list[Run], series) -> None:
+    """Busy % and memory (GiB) of each labelled series (`series(run.devices)`) against the seconds since
+    each run's first sample; labels carry the run's name when there are several."""
+    for run in runs:
+        t0 = run.devices[0]["t"]
+        tag = f"{run.name} " if len(runs) > 1 else ""
+        for label, points in series(run.devices).items():
+            ts = [p[0] - t0 for p in points]
+            busy.plot(ts, [p[1] for p in points], label=tag + label, linewidth=1)
+            mem.plot(ts, [p[2] / GIB for p in points], label=tag + label, linewidth=1)
 
 
 def progress(runs: list[Run], path: Path) -> bool:
@@ -113,12 +119,8 @@ def progress(runs: list[Run], path: Path) -> bool:
         pts = run.launched.points
         t0 = pts[0].t
         done.plot([p.t - t0 for p in pts], [p.samples for p in pts], label=run.name, linewidth=1.2)
-        pairs = [
-            (b.t - t0, (b.samples - a.samples) / (b.t - a.t))
-            for a, b in zip(pts, pts[1:], strict=False)
-            if b.t > a.t
-        ]
-        rate.plot([x for x, _ in pairs], [y for _, y in pairs], label=run.name, linewidth=1)
+        pairs = run.launched.rates()
+        rate.plot([t - t0 for t, _ in pairs], [y for _, y in pairs], label=run.name, linewidth=1)
     done.set_title("samples (rank 0's progress lines)")
     rate.set_title("samples / s")
     for ax in (done, rate):
@@ -150,12 +152,7 @@ def environment(runs: list[Run], path: Path) -> bool:
         ax.set_xlabel("step")
     if servers:
         cpu, mem = flat[len(keys)], flat[len(keys) + 1]
-        for run in servers:
-            t0 = run.devices[0]["t"]
-            tag = f"{run.name} " if len(servers) > 1 else ""
-            for label, pts in env_server_series(run.devices).items():
-                cpu.plot([p[0] - t0 for p in pts], [p[1] for p in pts], label=tag + label, linewidth=1)
-                mem.plot([p[0] - t0 for p in pts], [p[2] / GIB for p in pts], label=tag + label, linewidth=1)
+        _over_time(cpu, mem, servers, env_server_series)
         cpu.set_title("env server CPU % (100 = one core)")
         mem.set_title("env server resident memory (GiB)")
         for ax in (cpu, mem):

@@ -74,6 +74,15 @@ class Launched:
             return None
         return (pts[-1].samples - pts[0].samples) / (pts[-1].t - pts[0].t)
 
+    def rates(self) -> list[tuple[float, float]]:
+        """(time, samples/s since the line before) of each progress line after the first."""
+        pts = self.points
+        return [
+            (b.t, (b.samples - a.samples) / (b.t - a.t))
+            for a, b in zip(pts, pts[1:], strict=False)
+            if b.t > a.t
+        ]
+
     def eta_s(self) -> float | None:
         total, rate = self.total_samples, self.rate()
         if total is None or not rate:

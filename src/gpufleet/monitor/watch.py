@@ -142,11 +142,7 @@ def _curves(run: Run) -> Table:
     t.add_column("history (whole run)")
     t.add_column("low .. high")
     if run.launched is not None:
-        pts = run.launched.points
-        rates = [
-            (b.samples - a.samples) / (b.t - a.t) for a, b in zip(pts, pts[1:], strict=False) if b.t > a.t
-        ]
-        _row(t, "samples/s", rates)
+        _row(t, "samples/s", [rate for _, rate in run.launched.rates()])
         return t
     for key, name in (("reward", "reward"), ("kl", "kl"), ("completions/mean_length", "length")):
         _row(t, name, run.series(key)[1])
