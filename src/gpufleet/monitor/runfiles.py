@@ -109,7 +109,7 @@ def env_server_series(records: list[dict]) -> dict[str, list[tuple[float, float,
     out: dict[str, list[tuple[float, float, float]]] = {}
     for rec in records:
         for x in rec.get("env_servers", []):
-            label = device_label("env server", x["index"], rec.get("node", 0), multi)
+            label = f"node{rec.get('node', 0)}:env{x['index']}" if multi else f"env server {x['index']}"
             out.setdefault(label, []).append((rec["t"], x["cpu_percent"], x["rss"]))
     return out
 
