@@ -57,12 +57,15 @@ def test_silence_says_what_it_waits_on_and_output_resets_it(tmp_path):
     said: list[str] = []
     watch = Silence(logs, [0, 1], 120, tmp_path / "hooks", logs / "stacks.txt", said.append, first=0.3)
     (logs / "rank0.log").write_text("start\n")
+    time.sleep(0.4)
+    assert not watch() and not said  # rank 1 has not started: the rendezvous is not the ranks' silence
+    (logs / "rank1.log").write_text("start\n")
     assert not watch()
     time.sleep(0.4)
     assert not watch() and said == [
         "gpufleet: no rank has printed for 0 s; waiting (launch.collective_timeout 120 s)"
     ]
-    (logs / "rank1.log").write_text("a line\n")
+    (logs / "rank1.log").write_text("start\na line\n")
     assert not watch() and watch.quiet < 0.1 and len(said) == 1
 
 

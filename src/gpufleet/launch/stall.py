@@ -1,6 +1,7 @@
 """`gpufleet launch`'s watchdog over a script it cannot see inside: a run in which no rank of this node has
 printed anything (stdout, stderr, progress lines: every byte lands in logs/rank<R>.log) for
-`launch.collective_timeout` seconds is taken to hang. Then every rank's Python stack is dumped (faulthandler,
+`launch.collective_timeout` seconds, counted from when every rank of the node has started (a wait at a
+multi-node rendezvous has launch.rendezvous_timeout), is taken to hang. Then every rank's Python stack is dumped (faulthandler,
 see stackhook), the rank that did not arrive at the collective the others wait in is named with its
 file:line, and the run is stopped. While the ranks are silent for more than a minute it says so, once a
 minute."""
@@ -40,6 +41,8 @@ class Silence:
         self.logs, self.ranks, self.timeout, self.hooks = logs, ranks, timeout, hooks
         self.stacks_file, self.say = stacks_file, say
         self.sizes: list[int] = []
+        self.initial = self._sizes()  # logs of earlier runs in the same folder
+        self.started = False
         self.last = time.monotonic()
         self.first = self.beat = first
         self.found: list[str] | None = None
@@ -58,7 +61,9 @@ class Silence:
 
     def __call__(self) -> bool:
         now, sizes = time.monotonic(), self._sizes()
-        if sizes != self.sizes:
+        if not self.started:  # the clock starts once every rank here has begun its log
+            self.started = all(s > i for s, i in zip(sizes, self.initial, strict=True))
+        if sizes != self.sizes or not self.started:
             self.sizes, self.last, self.beat, self.quiet = sizes, now, self.first, 0.0
             return False
         self.quiet = now - self.last
