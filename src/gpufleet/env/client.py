@@ -22,7 +22,7 @@ Deadlines: every request tells the server how long each environment call may tak
 `step_timeout`: env.reset_timeout / env.step_timeout); the server answers a call past it with the call,
 its class, episode, action and file:line (`runner.EnvTimeout`, raised here naming the server by its index
 in the run, as its log file is named). The socket waits that long per episode of the batch plus `timeout`
-s. While a call is slow the pool says so (watchdog heartbeats), naming the call the server reports busy.
+s. While a call is slow the pool says so (one heartbeat thread), naming the call the server reports busy.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.env.base import EnvError
-from gpufleet.env.runner import DEFAULT_TIMEOUT, EnvTimeout, stderr
+from gpufleet.env.runner import DEFAULT_TIMEOUT, EnvTimeout, Heartbeat, stderr
 from gpufleet.env.table import STATS, LocalPool, check_distinct
 from gpufleet.env.wire import EnvServerError, health, parse_address, read_servers_json, request
-from gpufleet.watchdog import HEARTBEAT_EVERY, HEARTBEAT_FIRST, deadline
+from gpufleet.watchdog import HEARTBEAT_FIRST
 
 __all__ = ["STATS", "EnvPool", "EnvServerError", "LocalPool", "health", "parse_address", "request"]
 
@@ -93,7 +93,7 @@ class EnvPool:
             parse_address(address)  # a malformed one fails now, not at the first failure
         self.token, self.timeout, self.retry_for = token, timeout, retry_for
         self.limits = {"/reset": reset_timeout, "/step": step_timeout, "/close": step_timeout}
-        self.labels, self.say = list(labels or range(len(self._addresses))), say
+        self.labels, self._beat = list(labels or range(len(self._addresses))), Heartbeat(say)
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self.says_success = False  # an info of this pool's has had a "success" key (rl/episodes.py)
         self._episodes: dict[str, _Episode] = {}
@@ -184,9 +184,7 @@ class EnvPool:
                 return e
 
         first = min(HEARTBEAT_FIRST, self.limits[path] / 2)
-        with deadline(
-            _Busy(self, path, sorted(groups)), None, first=first, every=HEARTBEAT_EVERY, say=self.say
-        ):
+        with self._beat.watching(_Busy(self, path, sorted(groups)), first):
             if len(groups) > 1:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(len(self._addresses), thread_name_prefix="envpool")
