@@ -14,29 +14,41 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+class Relay:
+    def __init__(self, fifo: Path):
+        self.fifo = fifo
+        self.muted = threading.Event()
+
+    def mute(self) -> None:
+        """From now on the ranks' stderr goes to their logs only (gpufleet is stopping them: their dying
+        words, a KeyboardInterrupt traceback per rank, would bury the one line that says what happened)."""
+        self.muted.set()
+
+
 @contextlib.contextmanager
-def relay(fifo: Path, sink=None) -> Iterator[Path]:
+def relay(fifo: Path, sink=None) -> Iterator[Relay]:
     """Make the FIFO, copy what arrives in it to `sink` (this process's stderr) until the block ends, then
     what is left."""
     sink = sink or sys.stderr.buffer
     os.mkfifo(fifo, 0o600)
     fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # read-write: no EOF while no rank has it open
     stop = threading.Event()
+    it = Relay(fifo)
 
     def copy() -> None:
         while True:
             ready, _, _ = select.select([fd], [], [], 0.2)
             data = _read(fd) if ready else b""
-            if data:
+            if data and not it.muted.is_set():
                 sink.write(data)
                 sink.flush()
-            elif stop.is_set():
+            elif not data and stop.is_set():
                 return
 
     thread = threading.Thread(target=copy, name="gpufleet-relay", daemon=True)
     thread.start()
     try:
-        yield fifo
+        yield it
     finally:
         stop.set()
         thread.join(timeout=5)

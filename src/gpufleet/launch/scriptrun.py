@@ -119,11 +119,14 @@ def start(
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     node = "" if la.nnodes == 1 else f".node{la.node_rank}"
-    with tempfile.TemporaryDirectory(prefix="gpufleet-launch-") as tmp, relay(Path(tmp) / "console") as fifo:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpufleet-launch-") as tmp,
+        relay(Path(tmp) / "console") as console,
+    ):
         hooks = Path(tmp) / "stacks"
         hooks.mkdir()
         target = ["-m", "gpufleet.launch.rankexec", str(logs), "--progress", jb.script.progress_regex]
-        target += ["--console", str(fifo), "--stacks", str(hooks), "--", *argv]
+        target += ["--console", str(console.fifo), "--stacks", str(hooks), "--", *argv]
         full = agent_argv(la, per_node, str(out.resolve())) + target
         child_env = {**worker_env(per_node, env), **{f"GPUFLEET_{k.upper()}": v for k, v in values.items()}}
         if record is not None:
@@ -138,4 +141,5 @@ def start(
             return silence() or (stop_when is not None and stop_when())
 
         with (logs / f"torchrun{node}.log").open("a", encoding="utf-8") as agent_log:
-            return Started(run_agent(full, child_env, agent_log, stop_when=stop), silence)
+            code = run_agent(full, child_env, agent_log, stop_when=stop, on_stop=console.mute)
+            return Started(code, silence)

@@ -158,7 +158,9 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child between f
 STOPPED = -1000  # run_agent's result when `stop_when` said so and the run was stopped on purpose
 
 
-def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0, stop_when=None) -> int:
+def run_agent(
+    argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 45.0, stop_when=None, on_stop=None
+) -> int:
     """Run torchrun's agent in its own process group and wait for it.
 
     A Ctrl-C at the terminal, or SIGINT / SIGTERM sent to the launcher or its process group, is
@@ -166,7 +168,7 @@ def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 
     its own timeout) and exits. If it has not exited after `grace_s`, its group is killed. Raises
     `Interrupted` after such a stop, returns the agent's exit code otherwise. With `stop_when` (a
     callable polled twice a second) the run is stopped the same way once it returns True, and STOPPED is
-    returned.
+    returned. `on_stop` is called once, just before the agent is told to stop.
     """
     proc = subprocess.Popen(
         argv, env=dict(env), stderr=stderr, start_new_session=True, preexec_fn=die_with_parent
@@ -176,6 +178,8 @@ def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 
     def forward(signum, _frame):
         if not got:
             got.append(signum)
+            if on_stop is not None:
+                on_stop()
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
 
@@ -191,6 +195,8 @@ def run_agent(argv: list[str], env: Mapping[str, str], stderr, grace_s: float = 
                 if stop_when is not None and not got and stop_when():
                     timed_out = True
                     got.append(signal.SIGTERM)
+                    if on_stop is not None:
+                        on_stop()
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signal.SIGTERM)
                 if got and deadline is None:
