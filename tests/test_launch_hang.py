@@ -132,3 +132,24 @@ def test_train_collective_timeout_shows_every_ranks_stack(tmp_path):
     dump = (tmp_path / "run" / "logs" / "stacks.txt").read_text()
     assert f'File "{reward}", line 6 in hang_on_rank1' in dump and "=== rank 0" in dump
     assert gone(tmp_path / "run"), processes_of(tmp_path / "run")
+
+
+def test_the_stack_hook_keeps_the_sitecustomize_it_hides(tmp_path):
+    """A distribution's or a cluster's own sitecustomize still runs under gpufleet's hook, and the hook has
+    registered the process (its stack file exists)."""
+    import subprocess
+    import sys
+
+    from gpufleet.launch.stackhook import hook_env
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
+    env = {"PATH": "/usr/bin:/bin", "RANK": "3", **hook_env(tmp_path / "stacks", str(theirs))}
+    code = (
+        "import os, sitecustomize; print(os.environ.get('THEIRS_RAN'), sitecustomize.__file__, os.getpid())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    ran, module, pid = out.stdout.split()
+    assert (ran, module) == ("yes", str(theirs / "sitecustomize.py")), out.stderr
+    assert (tmp_path / "stacks" / f"rank3.{pid}.txt").exists()
