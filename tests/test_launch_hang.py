@@ -153,3 +153,26 @@ def test_the_stack_hook_keeps_the_sitecustomize_it_hides(tmp_path):
     ran, module, pid = out.stdout.split()
     assert (ran, module) == ("yes", str(theirs / "sitecustomize.py")), out.stderr
     assert (tmp_path / "stacks" / f"rank3.{pid}.txt").exists()
+
+
+SILENT = """
+import time
+print("loading", flush=True)
+while True:
+    time.sleep(1)  # stuck without a collective (or a wait NCCL would show only at the next sync)
+"""
+
+
+@pytest.mark.slow
+def test_a_silent_rank_outside_any_collective_is_stopped_only_once_it_has_not_moved(tmp_path):
+    """No rank in a collective at the first look: the run goes on (a silent evaluation looks the same);
+    a collective_timeout later, every rank still at the same line: stopped, with where it is."""
+    (tmp_path / "silent.py").write_text(SILENT.lstrip())
+    argv = ["launch", "--gpus", "cpu", "--nproc", "1", "--set", "output.dir=run"]
+    p = run_user(*argv, "--set", "launch.collective_timeout=10", "--", "python", "silent.py", cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    first = "none waits in a torch.distributed call (rank 0 at"
+    assert first in p.stderr and "still running: stopped if no rank has moved in another 10 s" in p.stderr
+    assert p.stderr.index(first) < p.stderr.index("gpufleet: the run hangs: no rank printed anything for 2")
+    assert f"rank 0 is at {tmp_path / 'silent.py'}:4 in <module>: time.sleep(1)" in p.stderr, p.stderr
+    assert gone(tmp_path / "run"), processes_of(tmp_path / "run")

@@ -1,10 +1,12 @@
-"""`gpufleet launch`'s watchdog over a script it cannot see inside: a run in which no rank of this node has
-printed anything (stdout, stderr, progress lines: every byte lands in logs/rank<R>.log) for
+"""`gpufleet launch`'s watchdog over a script it cannot see inside. When no rank of this node has printed
+anything (stdout, stderr, progress lines: every byte lands in logs/rank<R>.log) for
 `launch.collective_timeout` seconds, counted from when every rank of the node has started (a wait at a
-multi-node rendezvous has launch.rendezvous_timeout), is taken to hang. Then every rank's Python stack is dumped (faulthandler,
-see stackhook), the rank that did not arrive at the collective the others wait in is named with its
-file:line, and the run is stopped. While the ranks are silent for more than a minute it says so, once a
-minute."""
+multi-node rendezvous has launch.rendezvous_timeout), every rank's Python stack is dumped (faulthandler,
+see stackhook). If a rank waits inside a torch.distributed collective, the run hangs: the rank that did not
+arrive is named with its file:line and the run is stopped. If none does (a silent evaluation, a download,
+or NCCL, whose waits show at the next synchronisation), the run goes on, and is stopped only if, another
+collective_timeout later and still silent, no rank has moved (every main thread at the same lines). While
+the ranks are silent for more than a minute it says so, once a minute."""
 
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class Silence:
         self.sizes: list[int] = []
         self.initial = self._sizes()  # logs of earlier runs in the same folder
         self.started = False
+        self.deadline = timeout  # seconds of silence at which the stacks are looked at (next)
+        self.before: dict | None = None  # where every rank was at the last look, if none was in a collective
         self.last = time.monotonic()
         self.first = self.beat = first
         self.found: list[str] | None = None
@@ -65,20 +69,37 @@ class Silence:
             self.started = all(s > i for s, i in zip(sizes, self.initial, strict=True))
         if sizes != self.sizes or not self.started:
             self.sizes, self.last, self.beat, self.quiet = sizes, now, self.first, 0.0
+            self.deadline, self.before = self.timeout, None
             return False
         self.quiet = now - self.last
-        if self.quiet >= self.timeout:
-            dumped = stacks.dump(self.hooks)
-            stacks.write(dumped, self.stacks_file)
-            self.found, self.blame = stacks.findings(dumped, self.ranks)
-            self.stacks = [x for r in sorted(dumped) for x in stacks.brief(r, dumped[r])]
-            return True
+        if self.quiet >= self.deadline:
+            return self._check()
         if self.quiet >= self.beat:
             self.say(
                 f"gpufleet: no rank has printed for {self.quiet:.0f} s; waiting "
                 f"(launch.collective_timeout {self.timeout:g} s)"
             )
             self.beat += HEARTBEAT_EVERY
+        return False
+
+    def _check(self) -> bool:
+        """Look at every rank's stack: True (stop) if one waits in a collective or none moved since the
+        last look; else say where they are and look again a collective_timeout later."""
+        dumped = stacks.dump(self.hooks)
+        places = {r: tuple((f.file, f.line) for f in s.main) if s else None for r, s in dumped.items()}
+        waiting = any(s is not None and s.collective for s in dumped.values())
+        if waiting or places == self.before:
+            stacks.write(dumped, self.stacks_file)
+            self.found, self.blame = stacks.findings(dumped, self.ranks)
+            self.stacks = [x for r in sorted(dumped) for x in stacks.brief(r, dumped[r])]
+            return True
+        where = "; ".join(f"rank {r} at {s.where}" for r, s in sorted(dumped.items()) if s and s.where)
+        self.say(
+            f"gpufleet: no rank has printed for {self.quiet:.0f} s and none waits in a torch.distributed call "
+            f"({where or 'no Python stacks'}); still running: stopped if no rank has moved in another "
+            f"{self.timeout:g} s (launch.collective_timeout)"
+        )
+        self.before, self.deadline = places, self.deadline + self.timeout
         return False
 
     def summary(self, logs: Path) -> str:
