@@ -3,7 +3,7 @@
 RANK / WORLD_SIZE / LOCAL_RANK / GROUP_RANK are read here and nowhere else (torchrun sets them; a
 plain `gpufleet train` has none and is rank 0 of 1). Every node has the same layout: local ranks
 0..P-1 are policy ranks (one per policy device), the next ones are scorer ranks (reference / reward
-models on dedicated devices). The backend is NCCL on GPUs and gloo on the CPU.
+models on dedicated devices), then the rollout ranks (rl/rollouts.py). The backend is NCCL on GPUs and gloo on the CPU.
 
 Collective timeout: `launch.collective_timeout` seconds (default 600) for every process group. A
 rank that dies does not wait for it: torchrun stops the other workers (SIGTERM, then SIGKILL after
@@ -32,13 +32,17 @@ class Runtime:
     world_size: int = 1
     local_rank: int = 0
     node_rank: int = 0
-    role: str = "policy"  # "policy" or "scorer"
+    role: str = "policy"  # "policy", "scorer" or "rollout"
     roles: tuple[str, ...] = ()  # for a scorer: the models it holds ("reference", "reward")
     policy_ranks: list[int] = field(default_factory=lambda: [0])
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     policy_group: object | None = None
     scorers: list[tuple[int, tuple[str, ...], object]] = field(default_factory=list)
     """(scorer rank, its roles, the group {policy ranks + that scorer}) for every dedicated scorer."""
+    rollouts: list[tuple[int, object, object | None]] = field(default_factory=list)
+    """A policy rank served by a dedicated rollout rank, and that rollout rank: (the rollout rank, the group
+    {the policy ranks it serves + it}, the group {the first of them + it} the weights travel over, or None
+    on the other policy ranks). Empty when the policy ranks sample their own rows."""
     clock: PhaseClock = field(default_factory=PhaseClock)
     """Where this process's time goes (monitor/timing.py); the collectives below charge it to `comm`."""
 
@@ -100,7 +104,26 @@ def init(topo: Topology, *, cpu: bool, timeout_s: int = 600, host_collectives: b
         )
         if rank in node_policy or rank == scorer.rank:
             rt.scorers.append((scorer.rank, scorer.roles, group))
+    _rollout_groups(rt, places, timeout_s)
     return rt
+
+
+def _rollout_groups(rt: Runtime, places: list, timeout_s: int) -> None:
+    """The groups of each dedicated rollout rank: requests and answers (objects, gloo), and the weight
+    push from the first policy rank it serves (tensors: NCCL on GPUs). Policy rank i of a node is served
+    by the node's rollout rank i mod their number. Every rank takes part in creating every group."""
+    timeout = timedelta(seconds=timeout_s)
+    for node in sorted({q.node for q in places}):
+        policy = [q.rank for q in places if q.role == "policy" and q.node == node]
+        rollout = [q.rank for q in places if q.role == "rollout" and q.node == node]
+        for k, r in enumerate(rollout):
+            served = policy[k :: len(rollout)]
+            if not served:
+                continue
+            group = dist.new_group(served + [r], timeout=timeout, backend="gloo")
+            weights = dist.new_group([served[0], r], timeout=timeout)
+            if rt.rank in served or rt.rank == r:
+                rt.rollouts.append((r, group, weights if rt.rank in (served[0], r) else None))
 
 
 def _init_process_group(

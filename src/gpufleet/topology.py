@@ -29,7 +29,7 @@ class RankPlace:
     rank: int
     node: int
     local: int
-    role: str  # "policy" or "scorer"
+    role: str  # "policy", "scorer" or "rollout"
     device: int
     roles: tuple[str, ...] = ()  # for a scorer: the models it holds
 
@@ -45,6 +45,8 @@ class Topology:
     scorer_devices: tuple[tuple[int, tuple[str, ...]], ...]
     """(device id, roles) of each dedicated scorer rank on each node."""
     cpu: bool
+    rollout_devices: tuple[int, ...] = ()
+    """Device ids of the dedicated rollout ranks on each node (empty: each policy rank samples its rows)."""
 
     def __post_init__(self) -> None:
         bad = []
@@ -55,18 +57,20 @@ class Topology:
         ids = [d for d, _ in self.scorer_devices]
         if len(set(ids)) != len(ids):
             bad.append(f"scorer devices {ids} repeat an id")
+        if len(set(self.rollout_devices)) != len(self.rollout_devices):
+            bad.append(f"rollout devices {list(self.rollout_devices)} repeat an id")
         for d, roles in self.scorer_devices:
             if not roles or not set(roles) <= set(ROLES):
                 bad.append(f"scorer device {d} holds {list(roles)} (roles: {', '.join(ROLES)})")
         if bad:
             raise ValueError(
                 f"inconsistent topology: {'; '.join(bad)} (nnodes {self.nnodes}, policy "
-                f"{list(self.policy_devices)}, scorers {list(self.scorer_devices)})"
+                f"{list(self.policy_devices)}, scorers {list(self.scorer_devices)}, rollout {list(self.rollout_devices)})"
             )
 
     @property
     def nproc_per_node(self) -> int:
-        return len(self.policy_devices) + len(self.scorer_devices)
+        return len(self.policy_devices) + len(self.scorer_devices) + len(self.rollout_devices)
 
     @property
     def world_size(self) -> int:
@@ -79,13 +83,16 @@ class Topology:
     @property
     def devices(self) -> tuple[int, ...]:
         """Every device id a rank of a node uses (policy and scorer), each once, in order."""
-        return tuple(sorted({*self.policy_devices, *(d for d, _ in self.scorer_devices)}))
+        return tuple(
+            sorted({*self.policy_devices, *(d for d, _ in self.scorer_devices), *self.rollout_devices})
+        )
 
     def dedicated_roles(self) -> set[str]:
         return {role for _, roles in self.scorer_devices for role in roles}
 
     def places(self) -> list[RankPlace]:
-        """Every global rank in order: on each node the policy ranks first, then the scorer ranks."""
+        """Every global rank in order: on each node the policy ranks first, then the scorer ranks, then the
+        rollout ranks."""
         out = []
         for n in range(self.nnodes):
             base = n * self.nproc_per_node
@@ -94,6 +101,11 @@ class Topology:
             out += [
                 RankPlace(first + s, n, len(self.policy_devices) + s, "scorer", d, tuple(roles))
                 for s, (d, roles) in enumerate(self.scorer_devices)
+            ]
+            first += len(self.scorer_devices)
+            out += [
+                RankPlace(first + k, n, first - base + k, "rollout", d)
+                for k, d in enumerate(self.rollout_devices)
             ]
         return out
 
@@ -105,7 +117,8 @@ class Topology:
             raise UserError(
                 f"rank {rank} of a world of {world_size} (RANK / WORLD_SIZE in the environment), but the job's "
                 f"layout needs {plural(self.world_size, 'process')} ({plural(self.nnodes, 'node')} x "
-                f"{len(self.policy_devices)} policy + {len(self.scorer_devices)} scorer)",
+                f"{len(self.policy_devices)} policy + {len(self.scorer_devices)} scorer + {len(self.rollout_devices)} "
+                "rollout)",
                 fix="start it with `gpufleet train` (it runs torchrun itself); if RANK / WORLD_SIZE are left "
                 "over in your shell, unset them",
             )
@@ -120,6 +133,8 @@ class Topology:
             text += f" of each of {self.nnodes} nodes"
         for dev, roles in self.scorer_devices:
             text += f"; {'+'.join(roles)} on scorer {unit} {dev}"
+        for dev in self.rollout_devices:
+            text += f"; rollout on {unit} {dev}"
         return text
 
 
@@ -141,10 +156,16 @@ def resolve_topology(r: Resolved, hw: Hardware) -> tuple[Topology, list[Problem]
             problems.append(_missing(r, "placement.devices", missing, hw))
     if allowed is None:
         allowed = present
-    policy, nproc = _policy_devices(r, hw, by_device, allowed, present, problems)
-    _check_devices(r, hw, policy, by_device, allowed, problems)
-    topo = Topology(r.job.launch.nnodes, tuple(policy), scorer, hw.is_cpu)
-    _check_processes(r, hw, topo, nproc, by_device, present, problems)
+    rollout = list(dict.fromkeys(_ids(r.job.placement.rollout) or []))
+    busy = {d: list(roles) for d, roles in by_device.items()}  # every device a non-policy rank holds
+    for d in rollout:
+        busy.setdefault(d, []).append("rollout")
+    others = len(by_device) + len(rollout)
+    policy, nproc = _policy_devices(r, hw, busy, others, allowed, present, problems)
+    _check_devices(r, hw, policy, busy, allowed, problems)
+    topo = Topology(r.job.launch.nnodes, tuple(policy), scorer, hw.is_cpu, tuple(rollout))
+    _check_processes(r, hw, topo, nproc, busy, present, problems)
+    _check_rollout(r, topo, problems)
     problems += apply_global_batch(r, topo.policy_ranks)  # per_device_batch follows the rank count
     return topo, problems
 
@@ -161,7 +182,7 @@ def _dedicated(r: Resolved) -> dict[int, list[str]]:
     return by_device
 
 
-def _policy_devices(r, hw, by_device, allowed, present, problems) -> tuple[list[int], int | str]:
+def _policy_devices(r, hw, by_device, n_scorer, allowed, present, problems) -> tuple[list[int], int | str]:
     """The policy's device ids (given, or the free ones up to nproc_per_node), each once."""
     pl, nproc = r.job.placement, r.job.launch.nproc_per_node
     policy = _ids(pl.policy)
@@ -178,7 +199,6 @@ def _policy_devices(r, hw, by_device, allowed, present, problems) -> tuple[list[
                 )
             )
         return list(dict.fromkeys(policy)), nproc
-    n_scorer = len(by_device)
     pool = allowed if allowed is not None else list(range(max(nproc if nproc != "auto" else 1, 1) + n_scorer))
     pool = [d for d in pool if pl.allow_shared_devices or d not in by_device]
     want = (nproc - n_scorer) if nproc != "auto" else len(pool)
@@ -203,7 +223,7 @@ def _check_devices(r, hw, policy, by_device, allowed, problems) -> None:
     dedicated_roles = {x for roles in by_device.values() for x in roles}
     for field, ids in (
         ("placement.policy", policy),
-        *((f"placement.{d}", _ids(getattr(pl, d)) or []) for d in ROLES),
+        *((f"placement.{d}", _ids(getattr(pl, d)) or []) for d in (*ROLES, "rollout")),
     ):
         missing = [d for d in ids if allowed is not None and d not in allowed]
         if missing and (field == "placement.policy" or field.split(".")[1] in dedicated_roles):
@@ -241,6 +261,7 @@ def _check_processes(r, hw, topo: Topology, nproc, by_device, present, problems)
     policy = topo.policy_devices
     if nproc != "auto" and nproc != topo.nproc_per_node:
         parts = f"{len(policy)} policy + {len(topo.scorer_devices)} scorer"
+        parts += f" + {len(topo.rollout_devices)} rollout" if topo.rollout_devices else ""
         problems.append(
             Problem(
                 "error",
@@ -249,6 +270,7 @@ def _check_processes(r, hw, topo: Topology, nproc, by_device, present, problems)
                     r.ref("placement.policy"),
                     r.ref("placement.reference"),
                     r.ref("placement.reward"),
+                    r.ref("placement.rollout"),
                 ],
                 f"launch.nproc_per_node is {nproc} but the placement needs {topo.nproc_per_node} processes per node ({parts}).",
                 f"--set launch.nproc_per_node={topo.nproc_per_node} (or auto), or change the placement to fill {nproc} processes.",
@@ -295,3 +317,34 @@ def _missing(
         f"device {missing[0]} does not exist: {have} (numbered after CUDA_VISIBLE_DEVICES).",
         f"use ids from {fix_ids}" + (f", e.g. --set {field}={fix_ids[0]}" if fix_ids else ""),
     )
+
+
+def _check_rollout(r, topo: Topology, problems) -> None:
+    """Dedicated rollout ranks: each serves whole policy ranks of its node, on a device of its own unless
+    sharing is declared."""
+    rollout, pl = topo.rollout_devices, r.job.placement
+    if not rollout:
+        return
+    policy = topo.policy_devices
+    if policy and len(rollout) > len(policy):
+        problems.append(
+            Problem(
+                "error",
+                [r.ref("placement.rollout"), r.ref("placement.policy")],
+                f"{plural(len(rollout), 'rollout device')} {list(rollout)} for {plural(len(policy), 'policy rank')} "
+                "per node: each rollout rank generates the rows of whole policy ranks, so one would be idle.",
+                f"use at most {len(policy)}: --set placement.rollout={','.join(map(str, rollout[: len(policy)]))}",
+            )
+        )
+    shared = sorted(set(rollout) & {d for d, _ in topo.scorer_devices})
+    if shared and not pl.allow_shared_devices:
+        problems.append(
+            Problem(
+                "error",
+                [r.ref("placement.rollout"), r.ref("placement.reference"), r.ref("placement.reward")],
+                f"device {shared[0]} holds both a rollout rank and a scorer rank, and the roles are not declared "
+                "to share it.",
+                "declare it with --set placement.allow_shared_devices=true (two processes on one device, memory "
+                "split), or give the rollout rank a device of its own.",
+            )
+        )

@@ -80,6 +80,26 @@ class AlgorithmSection(Section):
     it (mean of log pi_old - log pi over its tokens) exceeds this (DeepSeek-V3.2's off-policy sequence
     mask, arXiv 2512.02556, eq. 9; TRL's name, e.g. 0.5). None: off. On-policy it drops nothing."""
 
+    importance_sampling_correction: bool = True
+    """Correct for the sampler not being the trainer (TRL's `vllm_importance_sampling_correction`, same
+    default): where a dedicated rollout rank samples (placement.rollout; a copy of the policy in the
+    compute dtype, rollout.async_steps steps behind), each completion's policy loss is weighted by the
+    truncated importance ratio pi_trainer / pi_sampler of the tokens it sampled (TRL's truncated IS, with
+    the modes below). Colocated sampling is the trainer itself: nothing to correct there."""
+
+    importance_sampling_mode: Literal[
+        "sequence_mask", "sequence_truncate", "token_mask", "token_truncate"
+    ] = "sequence_mask"
+    """How the sampler ratio is bounded (TRL's `vllm_importance_sampling_mode`, same default): `token_*` per
+    token, `sequence_*` one ratio per completion (the exp of the sum of its tokens' log-ratios); `*_truncate`
+    clamps it to [clip_min, clip_max], `*_mask` sets it to 0 (no policy loss) outside them."""
+
+    importance_sampling_clip_max: float | None = Field(3.0, gt=0)
+    """Upper bound of the sampler ratio (TRL's `vllm_importance_sampling_clip_max`, same default). None: none."""
+
+    importance_sampling_clip_min: float | None = Field(None, ge=0)
+    """Lower bound of the sampler ratio (TRL's `vllm_importance_sampling_clip_min`, same default). None: none."""
+
     mask_truncated_completions: bool = False
     """A completion cut at rollout.max_completion_length (no EOS) gets no loss and counts in no token
     normaliser (DAPO, arXiv 2503.14476; TRL's name and default)."""

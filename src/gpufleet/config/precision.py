@@ -45,6 +45,12 @@ def reference_dtype(job) -> str:
     return job.model.dtype if job.model.dtype != "auto" else compute_dtype(job)
 
 
+def rollout_dtype(job) -> str:
+    """A dedicated rollout rank's copy of the policy: frozen like the reference, so in its dtype (the
+    compute dtype; an fp32 job samples with fp32 weights, as a colocated rollout does)."""
+    return reference_dtype(job)
+
+
 def reward_model_dtype(job) -> str:
     """The frozen reward model's dtype: the compute dtype, whatever dtype its checkpoint was saved in (a
     bf16 run never holds an fp32 copy of it; an fp32 run scores in fp32)."""

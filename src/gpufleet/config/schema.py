@@ -24,6 +24,7 @@ from gpufleet.config.types import (  # noqa: F401  (re-exported: other modules i
     IdList,
     Mapping,
     RolePlacement,
+    RolloutPlacement,
     Section,
     Size,
     StrList,
@@ -129,6 +130,12 @@ class RolloutSection(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel degree of the rollout engine (vllm); must divide the attention and KV heads."""
 
+    async_steps: int = Field(0, ge=0)
+    """Generate ahead (needs placement.rollout device ids): the rollout ranks sample generation batch g + k
+    while the policy trains on batch g, with the weights of k generation batches earlier (0: lock-step,
+    each batch sampled with the current weights). Each batch records the weights it was sampled with
+    (rollout/staleness) and its sampling log-probs (algorithm.importance_sampling_correction)."""
+
 
 class TrainSection(Section):
     per_device_batch: int = Field(8, ge=1)
@@ -200,6 +207,13 @@ class PlacementSection(Section):
 
     reward: RolePlacement = "auto"
     """Where the reward model lives: like `reference`. Roles placed on the same ids share one scorer rank."""
+
+    rollout: RolloutPlacement = "colocate"
+    """Where completions are generated: `colocate` (each policy rank samples its own rows) or device ids:
+    a dedicated rollout rank on each, holding a copy of the policy that the policy ranks update after each
+    optimizer step (the weights pushed over the process group, timed as `timing/weight_sync`), and
+    generating the rows of the policy ranks it serves (policy rank i of a node: rollout device i mod
+    their number). The same completions as colocated: the same per-completion seeds, the same weights."""
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """Policy parallelism: DistributedDataParallel (a full replica per rank) or FSDP2 (sharded). Under

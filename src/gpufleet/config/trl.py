@@ -96,6 +96,13 @@ OPTIONS: dict[str, TrlOption] = {
     "top_k": _at("rollout.top_k"),
     "use_vllm": _at("rollout.engine", "hf or vllm; vllm is not available yet", _engine),
     "vllm_tensor_parallel_size": _at("rollout.tensor_parallel_size"),
+    "vllm_importance_sampling_correction": _at(
+        "algorithm.importance_sampling_correction", "for a dedicated rollout rank (placement.rollout)"
+    ),
+    "vllm_importance_sampling_mode": _at("algorithm.importance_sampling_mode"),
+    "vllm_importance_sampling_clip_max": _at("algorithm.importance_sampling_clip_max"),
+    "vllm_importance_sampling_clip_min": _at("algorithm.importance_sampling_clip_min"),
+    "vllm_importance_sampling_cap": _at("algorithm.importance_sampling_clip_max", "TRL's deprecated name"),
     "per_device_train_batch_size": _at("train.per_device_batch", "completions per device, as in TRL"),
     "gradient_accumulation_steps": _at(
         "train.micro_batch",

@@ -30,6 +30,9 @@ DevicesOrAuto = Annotated[Literal["auto"] | list[Annotated[int, Field(ge=0)]], B
 RolePlacement = Annotated[
     Literal["auto", "colocate"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)
 ]
+RolloutPlacement = Annotated[
+    Literal["colocate"] | list[Annotated[int, Field(ge=0)]], BeforeValidator(_split_list)
+]
 
 
 def _split_command(value: Any) -> Any:

@@ -90,6 +90,22 @@ class Rollout:
             for row, n in zip(self.completion_ids, self.completion_lengths.tolist(), strict=True)
         ]
 
+    def rows(self, start: int, stop: int) -> Rollout:
+        """Rows start..stop-1 as ``generate`` would have returned them alone: padded only as wide as they
+        need (the longest of their prompts, the longest of their completions)."""
+        mask = self.prompt_mask[start:stop]
+        width = int(mask.sum(1).max()) if stop > start else 0
+        P = self.prompt_ids.shape[1]
+        T = int(self.completion_lengths[start:stop].max()) if stop > start else 0
+        return Rollout(
+            self.prompt_ids[start:stop, P - width :],
+            mask[:, P - width :],
+            self.completion_ids[start:stop, :T],
+            self.completion_mask[start:stop, :T],
+            self.completion_lengths[start:stop],
+            self.is_truncated[start:stop],
+        )
+
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
 

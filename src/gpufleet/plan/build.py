@@ -23,6 +23,7 @@ from gpufleet.hardware import Hardware
 from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
     REWARD_MODEL_BATCH,
+    WEIGHT_BUCKET_BYTES,
     fast_decode_copies,
     logprob_scoring_bytes,
     reward_model_bytes,
@@ -347,6 +348,44 @@ def scorer_process(
     )
 
 
+def rollout_process(
+    k: int, r: Resolved, hw: Hardware, topo: Topology, models: Models, parts: Parts
+) -> ProcessLoad:
+    """Dedicated rollout rank `k` of a node (rl/rollouts.py): the policy in the compute dtype
+    (config/precision.py `rollout_dtype`), the rows of the policy ranks it serves sampled at once, one weight bucket
+    being received, and the batches it sends back."""
+    job, pol = r.job, models.policy
+    t = job.train
+    served = len(range(k, len(topo.policy_devices), len(topo.rollout_devices)))
+    rows = served * t.per_device_batch * t.steps_per_generation
+    dtype = precision.rollout_dtype(job)
+    infer = Precision(dtype, dtype)
+    copies = fast_decode_copies(pol.arch, infer, wrapped=False, cpu=hw.is_cpu)
+    roll = rollout_bytes(
+        pol.arch,
+        infer,
+        sequences=rows,
+        prompt_tokens=job.rollout.max_prompt_length,
+        completion_tokens=job.completion_tokens(),
+        weight_copies=copies,
+    )
+    weights = pol.params.total * infer.weight_bytes
+    bucket = min(WEIGHT_BUCKET_BYTES, weights)
+    sent = served * parts.batch_tensors
+    detail = {"policy_weights": weights, "weight_bucket": bucket, "kv_cache": roll["kv_cache"]}
+    detail |= {"prefill": roll["prefill"], "sampling": roll["sampling"], "overhead": parts.overhead}
+    detail |= {"decoder_weight_copies": roll["decoder_weight_copies"], "batch_tensors": sent}
+    return ProcessLoad(
+        role=f"rollout rank {k}",
+        weights=weights,
+        grads=0,
+        optimizer=0,
+        other=parts.overhead + sent + bucket,
+        phases={"rollout": roll["peak"]},
+        detail=detail,
+    )
+
+
 def _devices(hw: Hardware, per_device: dict[int, list[ProcessLoad]]) -> list[DeviceLoad]:
     if hw.is_cpu:
         procs = [p for dev in sorted(per_device) for p in per_device[dev]]
@@ -371,6 +410,8 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
         per_device.setdefault(dev, []).append(policy_process(i, parts, lay))
     for dev, roles in topo.scorer_devices:
         per_device.setdefault(dev, []).append(scorer_process(roles, parts, roles_in_use(r), received))
+    for k, dev in enumerate(topo.rollout_devices):
+        per_device.setdefault(dev, []).append(rollout_process(k, r, hw, topo, models, parts))
     return Plan(
         hardware=hw,
         models=models,

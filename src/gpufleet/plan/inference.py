@@ -24,6 +24,9 @@ from gpufleet.plan.shape import Arch, ParamCount
 REWARD_MODEL_BATCH = 16
 """Texts per reward-model forward (`gpufleet.rl.rewards.RewardModel` batch_size)."""
 
+WEIGHT_BUCKET_BYTES = 64 * 2**20
+"""A weight push to a rollout rank travels in flat buckets of at most this many bytes (rl/rollouts.py)."""
+
 
 def logprob_scoring_bytes(
     arch: Arch,

@@ -31,6 +31,9 @@ class GenerationBatch:
     old_logprobs: torch.Tensor | None  # (N, T), from the generating policy when it is reused
     ref_logprobs: torch.Tensor | None  # (N, T)
     completion_start: int
+    sampler_weights: torch.Tensor | None = None
+    """(N, T) truncated importance weights pi_trainer / pi_sampler of a rollout rank's samples
+    (rl/offpolicy.py), or None: sampled by the policy itself."""
 
     def rows(self, start: int, stop: int) -> GenerationBatch:
         out = {}

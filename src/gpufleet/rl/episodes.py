@@ -125,9 +125,10 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
 
 
 def _anyone(p, mine: bool) -> bool:
-    """Whether any rank still has a live episode (under FSDP every rank must generate in step)."""
+    """Whether any rank still has a live episode (under FSDP, or with rollout ranks, every rank must
+    generate in step)."""
     rt = p.rt
-    if rt.distributed and p.job.placement.strategy == "fsdp" and rt.policy_size > 1:
+    if rt.distributed and rt.policy_size > 1 and (p.job.placement.strategy == "fsdp" or p.remote is not None):
         from gpufleet.dist import all_true
 
         return not all_true(rt, not mine)

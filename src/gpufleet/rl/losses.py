@@ -87,6 +87,7 @@ def policy_loss(
     kl_bias_correction: bool = False,
     options: LossOptions = LossOptions(),  # noqa: B008 (frozen, never mutated)
     token_weights: torch.Tensor | None = None,
+    sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss (plus optional k3 KL penalty) of a group-relative RL step.
 
@@ -127,6 +128,8 @@ def policy_loss(
             off-policy sequence mask threshold (`LossOptions`; rl/surrogates.py has the formulas).
         token_weights: (B, T) 0/1 weights of the policy term only (the KL keeps every token), e.g.
             the top-entropy token mask; None: all 1.
+        sampler_weights: (B, T) truncated importance weights of another sampler (constant): they
+            multiply the policy term only, before the KL is added (TRL's vLLM IS correction); None: 1.
 
     Returns:
         (loss, stats): `loss` is a 0-d tensor; `stats` holds python floats computed without
@@ -170,6 +173,8 @@ def policy_loss(
         )
     if token_weights is not None:  # e.g. the top-entropy token mask (only the policy term, as TRL)
         per_token = per_token * token_weights.detach().to(per_token.dtype)
+    if sampler_weights is not None:  # the sampler was not this policy (rl/offpolicy.py)
+        per_token = per_token * sampler_weights.detach().to(per_token.dtype)
 
     kl = None
     if ref_logprobs is not None:
@@ -345,6 +350,7 @@ class Loss:
             kl_bias_correction=self.kl_bias_correction,
             options=self.options,
             token_weights=token_weights,
+            sampler_weights=getattr(batch, "sampler_weights", None),
         )
 
     def normalizer(self, rows: int, tokens: int, global_tokens: int, ranks: int) -> float:

@@ -12,6 +12,7 @@ from gpufleet.dist import Runtime, all_true
 from gpufleet.engine.compiled import compile_layers, eager
 from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.engine.sampling import never_sampled
+from gpufleet.rl import rollouts
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
@@ -40,6 +41,8 @@ class Parts:
     """The entropy bonus's coefficient and adaptive controller (its state goes into checkpoints)."""
     pending_ref_mixes: list = field(default_factory=list)
     """(alpha, policy parameters) of reference syncs not yet sent to the scorer rank (rl/refsync.py)."""
+    remote: rollouts.RemoteRollout | None = None
+    """This rank's dedicated rollout rank (rl/rollouts.py), or None: it samples its own rows."""
 
     @property
     def device(self) -> torch.device:
@@ -111,6 +114,7 @@ def build(
         env,
         suppress_tokens,
         EntropyControl.from_job(job),
+        remote=rollouts.connect(rt, job),
     )
 
 
@@ -187,6 +191,9 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
     """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
     the sharded model, together (every rank must call this the same number of times)."""
     rt = p.rt
+    if p.remote is not None:  # a dedicated rollout rank samples them (rl/rollouts.py)
+        out = rollouts.sample(p.remote, p.policy, p.sampling, prompt_ids, seeds, max_new_tokens)
+        return out.to(p.device)
     fsdp = sharded(p.job, rt)
     with eager(p.job.train.torch_compile):
         rollout = p.sampling.generate(

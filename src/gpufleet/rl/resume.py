@@ -58,6 +58,9 @@ def save(p, opt, sched, step: int, scored: Scored | None, out_dir: Path, job_yam
     optim = optimizer_state(p, opt)
     reuse = reuse_count(p.job)
     batch = scored_to_dict(scored) if scored is not None and step % reuse != 0 else None
+    in_flight = _in_flight(p)
+    if in_flight:  # a rollout rank's batches sampled ahead (rl/rollouts.py): saved, not sampled again
+        batch = (batch or {}) | {"in_flight": in_flight}
     return checkpoint.save(
         out_dir,
         step,
@@ -129,11 +132,42 @@ def restore(p, opt, sched, ckpt: Path, out_dir: Path) -> tuple[int, Scored | Non
     rng = checkpoint.load_rng(ckpt, p.rt.rank)
     if rng is not None:
         checkpoint.set_rng_state(rng)
-    saved = checkpoint.load_batch(ckpt, p.rt.rank)
+    saved = checkpoint.load_batch(ckpt, p.rt.rank) or {}
+    _restore_in_flight(p, saved.get("in_flight", {}), state.step)
     if p.rt.is_main:
         truncate_jsonl(out_dir / "metrics.jsonl", state.step)
         truncate_jsonl(out_dir / "samples.jsonl", state.step)
-    return state.step, (scored_from_dict(saved, p.device) if saved is not None else None)
+    return state.step, (scored_from_dict(saved, p.device) if "batch" in saved else None)
+
+
+def _in_flight(p) -> dict:
+    """The answers a rollout rank sampled ahead, each as tensors and numbers (flushed to this rank first)."""
+    from gpufleet.rl import rollouts
+
+    rollouts.flush(p.remote)
+    if p.remote is None:
+        return {}
+    out = {}
+    for g, a in p.remote.held.items():
+        if a is not None:
+            rollout = {f.name: getattr(a.rollout, f.name) for f in fields(a.rollout)}
+            out[g] = {"rollout": rollout, "logprobs": a.logprobs, "version": a.version}
+    return out
+
+
+def _restore_in_flight(p, saved: dict, step: int) -> None:
+    """A rollout rank's answers in flight at the checkpoint; the next request is the one after them (or
+    the next generation batch's, when none was ahead)."""
+    if p.remote is None:
+        return
+    from gpufleet.rl.rollouts import Answer
+
+    reuse = reuse_count(p.job)
+    p.remote.held = {
+        int(g): Answer(Rollout(**a["rollout"]), a["logprobs"], int(a["version"])) for g, a in saved.items()
+    }
+    p.remote.sent = max(p.remote.held) + 1 if p.remote.held else -(-step // reuse)
+    p.remote.version = step
 
 
 def truncate_jsonl(path: Path, step: int) -> None:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
+from gpufleet.dist import Runtime, all_gather_objects, all_gather_rows, all_reduce_sum
 from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
-from gpufleet.rl import scorer
+from gpufleet.rl import offpolicy, rollouts, scorer
 from gpufleet.rl.advantages import advantages_of, unscorable
 from gpufleet.rl.batch import (
     GenerationBatch,
@@ -45,11 +45,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     (see rl/batch.py)."""
     job, rt, t = p.job, p.rt, p.job.train
     G = job.algorithm.num_generations
-    first_prompt = gen_index * (job.generation_batch(rt.policy_size) // G)
-    rows = rank_rows(rt.policy_index, rt.policy_size, t.per_device_batch, t.steps_per_generation)
-    row_pos = [first_prompt + j // G for j in rows]
-    seeds = [completion_seed(t.seed, pos, j % G) for pos, j in zip(row_pos, rows, strict=True)]
-    episodes = None
+    rows, row_pos, seeds = _layout(p, gen_index)
+    episodes = answer = None
     if p.env is not None:
         episodes = play(p, rows, row_pos, seeds, gen_index)
         rollout, loss_mask, prompts, completions, columns = (
@@ -61,7 +58,11 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         )
     else:
         prompt_ids, prompts, columns = _prompts(p, row_pos)
-        rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
+        if p.remote is not None:  # a dedicated rollout rank, maybe ahead (rl/rollouts.py)
+            answer = rollouts.fetch(p.remote, p.policy, gen_index, lambda g: _request(p, g))
+            rollout = answer.rollout.to(p.device)
+        else:
+            rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
         loss_mask = rollout.completion_mask.float()
         if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
             loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
@@ -96,6 +97,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     batch.advantages = advantages[torch.tensor(rows)].to(p.device)
     with rt.clock.phase("score"):
         _add_logprobs(p, batch, remote, autocast)
+        if answer is not None:
+            stats |= _sampler(p, batch, answer, autocast)
     if episodes is not None:
         stats |= episode_stats(rt, episodes)
     # a dedicated scorer's work on this round, seen from this rank (its idle time is the rest of the step)
@@ -112,6 +115,68 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         logged=log.step_metrics(rt),
         extras=log.row_extras(len(completions)),
     )
+
+
+def _layout(p: Parts, gen_index: int) -> tuple[list[int], list[int], list[int]]:
+    """This rank's rows of generation batch `gen_index` (rl/batch.py), their prompts' positions in the
+    prompt stream and their completions' seeds."""
+    job, rt, t = p.job, p.rt, p.job.train
+    G = job.algorithm.num_generations
+    first_prompt = gen_index * (job.generation_batch(rt.policy_size) // G)
+    rows = rank_rows(rt.policy_index, rt.policy_size, t.per_device_batch, t.steps_per_generation)
+    row_pos = [first_prompt + j // G for j in rows]
+    seeds = [completion_seed(t.seed, pos, j % G) for pos, j in zip(row_pos, rows, strict=True)]
+    return rows, row_pos, seeds
+
+
+def _request(p: Parts, gen_index: int) -> dict | None:
+    """What the rollout rank needs to sample this rank's rows of generation batch `gen_index` (None past
+    the run's last one)."""
+    if gen_index * reuse_count(p.job) >= p.job.train.max_steps:
+        return None
+    _, row_pos, seeds = _layout(p, gen_index)
+    prompt_ids = _prompts(p, row_pos)[0]
+    ro = p.job.rollout
+    correct = p.job.algorithm.importance_sampling_correction
+    return {
+        "prompt_ids": prompt_ids,
+        "seeds": seeds,
+        "max_new_tokens": ro.max_completion_length,
+        "sampling": p.sampling,
+        "logprobs": correct,
+    }
+
+
+def _sampler(p: Parts, batch: GenerationBatch, answer, autocast) -> dict[str, float]:
+    """A rollout rank's batch: its staleness, and with algorithm.importance_sampling_correction the
+    truncated importance weights against the trainer's log-probs (rl/offpolicy.py) and TRL's metrics."""
+    stats = {"rollout/staleness": float(p.remote.version - answer.version)}
+    a = p.job.algorithm
+    if answer.logprobs is None or not a.importance_sampling_correction:
+        return stats
+    old = batch.old_logprobs
+    if old is None:  # the trainer's log-probs of the samples, without dropout (LoRA's): as sampled
+        t, ro, model = p.job.train, p.job.rollout, p.train_model
+        micro = t.micro_batch or t.per_device_batch
+        was = model.training
+        model.eval()
+        try:
+            old = logprobs_of(model, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early)
+        finally:
+            model.train(was)
+    sampling = answer.logprobs.to(old.device)
+    mask = batch.completion_mask
+    weights, ratios = offpolicy.sampler_weights(
+        old,
+        sampling,
+        mask,
+        a.importance_sampling_mode,
+        a.importance_sampling_clip_min,
+        a.importance_sampling_clip_max,
+    )
+    batch.sampler_weights = weights
+    parts = all_gather_objects(p.rt, offpolicy.sampler_stats(old, sampling, mask, ratios))
+    return stats | offpolicy.combine(parts)
 
 
 def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions: list[str]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from gpufleet.monitor.memory import planned_bytes
 from gpufleet.monitor.metrics import JsonlWriter, Progress
 from gpufleet.monitor.steplog import StepLog
 from gpufleet.monitor.stepstats import step_stats
-from gpufleet.rl import refsync, resume, scorer
+from gpufleet.rl import refsync, resume, rollouts, scorer
 from gpufleet.rl.advantages import nanstd
 from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
@@ -73,6 +74,10 @@ def train(
         rows = scored.batch.rows(part * t.per_device_batch, (part + 1) * t.per_device_batch)
         m = optimizer_step(p, rows, opt, autocast)
         opt.zero_grad(set_to_none=True)  # rollout and scoring run without the gradients (plan/build.py)
+        if p.remote is not None:  # the rollout rank's copy is now behind: the next request pushes
+            p.remote.stepped()
+            m["timing/weight_sync"] = p.remote.take_sync_seconds()
+            m["timing/rollout_wait"] = p.remote.take_wait_seconds()
         if refsync.due(job, step + 1):
             _sync_reference(p)
         m["learning_rate"] = sched.get_last_lr()[0]
@@ -98,6 +103,7 @@ def train(
         last = m
     if rt.scorers:
         scorer.stop(rt)
+    rollouts.stop(p.remote)
     if rt.is_main:
         metrics_log.close()
         samples_log.close()
@@ -137,7 +143,8 @@ def _job_yaml(job: Job, out_dir: Path) -> str:
 
 def fault_injection(rt: Runtime, step: int) -> None:
     """Test-only: GPUFLEET_TEST_CRASH="RANK:STEP[:ATTEMPT]" makes that rank raise at the start of that
-    step (only in that torchrun attempt when ATTEMPT is given)."""
+    step (only in that torchrun attempt when ATTEMPT is given); with GPUFLEET_TEST_KILL=1 it dies by
+    SIGKILL instead."""
     spec = os.environ.get("GPUFLEET_TEST_CRASH", "")
     if not spec:
         return
@@ -146,6 +153,8 @@ def fault_injection(rt: Runtime, step: int) -> None:
     if attempt and attempt != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
         return
     if rank == str(rt.rank) and at == str(step):
+        if os.environ.get("GPUFLEET_TEST_KILL"):  # as kill -9 would: no exception, no cleanup
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected crash on rank {rt.rank} at step {step} (GPUFLEET_TEST_CRASH)")
 
 
@@ -161,7 +170,7 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(truncated.mean()),
     }
-    m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/"))}  # an env job's
+    m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/", "rollout/", "sampling/"))}
     for j, label in enumerate(labels):  # as TRL: over the completions the function scored (not None)
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan

@@ -5,7 +5,7 @@ resources.py those about paths, files and the user's code; storage.py those abou
 writes (writable folders, disk space); fit.py the memory rule (gpufleet.plan);
 devices.py those about the detected GPUs as they are now; env.py those of an env job (multi-turn agent RL);
 lora.py those of a LoRA job; offload.py those of placement.offload; algorithm.py those of the GRPO
-family's options (TRL's warnings); monitor.py those of the monitor section; unused.py the fields
+family's options (TRL's warnings); rollout.py those of rollout ranks and generating ahead; monitor.py those of the monitor section; unused.py the fields
 that have no effect in this job (env: without an env, script: in a trainer job).
 Importing this package registers them all, in that order.
 """
@@ -14,6 +14,7 @@ Importing this package registers them all, in that order.
 # isort: off
 from gpufleet.rules import job  # noqa: F401
 from gpufleet.rules import algorithm  # noqa: F401
+from gpufleet.rules import rollout  # noqa: F401
 from gpufleet.rules import fit  # noqa: F401
 from gpufleet.rules import devices  # noqa: F401
 from gpufleet.rules import resources  # noqa: F401

@@ -1,0 +1,70 @@
+"""Rules of dedicated rollout ranks (placement.rollout), generating ahead (rollout.async_steps) and the
+sampler's importance-sampling correction: combinations that cannot work, each with the reason and a fix."""
+
+from __future__ import annotations
+
+from gpufleet.rules.registry import Context, err, rule, warn
+
+
+@rule
+def generating_ahead(ctx: Context):
+    job = ctx.job
+    k = job.rollout.async_steps
+    if not k:
+        return
+    refs = [ctx.ref("rollout.async_steps"), ctx.ref("placement.rollout")]
+    if not ctx.topo.rollout_devices:
+        yield err(
+            refs,
+            f"rollout.async_steps {k} generates ahead on dedicated rollout ranks, and placement.rollout is "
+            "colocate: the policy ranks would sample and train one after the other anyway.",
+            "give the rollout its own devices, e.g. --set placement.rollout=<a free device id>, or "
+            "--set rollout.async_steps=0",
+        )
+    if job.env.name:
+        yield err(
+            [*refs, ctx.ref("env.name")],
+            f"rollout.async_steps {k} with an env job: episodes are played turn by turn against the env "
+            "servers from the policy ranks, so a batch cannot be sampled ahead of its turns.",
+            "--set rollout.async_steps=0 (the rollout ranks still sample every turn)",
+        )
+
+
+@rule
+def sampler_correction(ctx: Context):
+    a = ctx.job.algorithm
+    refs = [
+        ctx.ref("algorithm.importance_sampling_clip_min"),
+        ctx.ref("algorithm.importance_sampling_clip_max"),
+    ]
+    lo, hi = a.importance_sampling_clip_min, a.importance_sampling_clip_max
+    if lo is not None and hi is not None and lo >= hi:
+        yield err(
+            refs,
+            f"importance_sampling_clip_min {lo} >= importance_sampling_clip_max {hi}: no ratio is kept (TRL "
+            "refuses it too).",
+            f"--set algorithm.importance_sampling_clip_min={hi / 2:g} (or null)",
+        )
+    if a.importance_sampling_mode.endswith("truncate") and lo is None and hi is None:
+        yield err(
+            [ctx.ref("algorithm.importance_sampling_mode"), *refs],
+            f"importance_sampling_mode {a.importance_sampling_mode} clamps the ratio to [clip_min, clip_max], "
+            "and both are null (TRL refuses it too).",
+            "--set algorithm.importance_sampling_clip_max=3.0",
+        )
+    sampled_elsewhere = bool(ctx.topo.rollout_devices)
+    if sampled_elsewhere and a.importance_sampling_correction and ctx.job.env.name:
+        yield warn(
+            [ctx.ref("algorithm.importance_sampling_correction"), ctx.ref("env.name")],
+            "an env job's turns are sampled by the rollout ranks without their sampling log-probs: no "
+            "importance-sampling correction is applied to them.",
+            "fine in fp32 (the rollout ranks hold the trainer's weights exactly); with bf16 compute the "
+            "sampler differs from the trainer by rounding",
+        )
+    if sampled_elsewhere and a.importance_sampling_correction and a.loss_type == "vespo":
+        yield err(
+            [ctx.ref("algorithm.importance_sampling_correction"), ctx.ref("algorithm.loss_type")],
+            "vespo folds the sampler's ratio into its own sequence weight (TRL's way), which gpufleet does not "
+            "do yet: the rollout ranks' samples would be weighted twice or not at all.",
+            "--set algorithm.importance_sampling_correction=false, or another loss_type",
+        )
