@@ -137,6 +137,8 @@ def test_two_processes_at_once(tmp_path):
             time.sleep(0.3)  # both processes are now building
             (folder / "model.safetensors").write_text("weights")
             (folder / "tokenizer.json").write_text('{{"model": {{"unk_token": "?"}}}}')
+            (folder / "tokenizer_config.json").write_text(json.dumps({{"response_template": bm.RESPONSE_TEMPLATE}}))
+            (folder / "chat_template.jinja").write_text(bm.CHAT_TEMPLATE)
 
         bm._build = fake_build
         print(bm.materialize("tiny-qwen2", root={str(tmp_path)!r}))

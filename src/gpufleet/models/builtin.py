@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpufleet.models.chat import CHAT_TEMPLATE, RESPONSE_TEMPLATE
 from gpufleet.paths import user_path
 
 PREFIX = "builtin:"
@@ -195,7 +196,13 @@ def _is_complete(folder: Path, config: dict[str, Any]) -> bool:
         unk = json.loads((folder / "tokenizer.json").read_text())["model"].get("unk_token")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return on_disk == config and (folder / "model.safetensors").is_file() and unk == UNK_CHAR
+    try:  # ... and one whose tokenizer had no chat format (models/chat.py)
+        chat = json.loads((folder / "tokenizer_config.json").read_text()).get("response_template")
+        template = (folder / "chat_template.jinja").read_text()
+    except (OSError, ValueError, AttributeError):
+        return False
+    fresh = chat == RESPONSE_TEMPLATE and template == CHAT_TEMPLATE
+    return on_disk == config and (folder / "model.safetensors").is_file() and unk == UNK_CHAR and fresh
 
 
 def _move_aside(folder: Path) -> None:
@@ -243,6 +250,7 @@ def char_tokenizer():
     Every character is one token (spaces and newlines included) and decoding concatenates, so
     ``decode(encode(text)) == text`` for any text over the vocabulary. A character outside it (é, an
     emoji, NUL) becomes ``UNK_CHAR``: any text trains, and the ids and vocabulary size stay as they were.
+    Its chat template (tools and tool calls) and response template are models/chat.py's.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -253,9 +261,12 @@ def char_tokenizer():
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in (PAD_TOKEN, EOS_TOKEN)]
     )
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
+    tok.response_template = json.loads(json.dumps(RESPONSE_TEMPLATE))
+    return tok
