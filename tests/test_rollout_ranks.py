@@ -149,6 +149,8 @@ def test_a_rollout_rank_trains_to_the_colocated_weights(user_dir):
     rows = _metrics(remote)
     assert all(0 < m["timing/weight_sync"] < m["step_time"] for m in rows)  # a push after every step
     assert "timing/weight_sync" not in _metrics(colocated)[0]
+    sample = json.loads((remote / "devices.jsonl").read_text().splitlines()[0])  # the monitor names it
+    assert [r["role"] for r in sample["ranks"]] == ["policy", "rollout"]
 
 
 @pytest.mark.slow
@@ -238,3 +240,31 @@ def test_async_is_deterministic_and_resumes_exactly_after_kill_9(user_dir):
     wa, wb = _weights(one), _weights(two)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [m["reward"] for m in _metrics(one)] == [m["reward"] for m in _metrics(two)]
+
+
+@pytest.mark.slow
+def test_rollout_and_scorer_ranks_together_equal_colocated(user_dir):
+    """A rollout rank beside a scorer rank holding the reference (beta > 0): the same run as both colocated."""
+    common = ("algorithm.beta=0.1", "rollout.min_completion_length=4")
+    colocated, remote = user_dir / "runs" / "colocated", user_dir / "runs" / "remote"
+    _train(colocated, user_dir, *common)
+    p = _train(
+        remote, user_dir, *common, "placement.policy=0", "placement.rollout=1", "placement.reference=2"
+    )
+    assert "rollout on cpu process 1" in p.stdout and "reference on scorer cpu process 2" in p.stdout
+    assert_same_run(colocated, remote)
+    assert _metrics(remote)[-1]["kl"] > 0
+
+
+@pytest.mark.slow
+def test_an_env_job_samples_its_turns_on_the_rollout_rank(tmp_path):
+    """An agent job (env servers, 3 turns): 2 policy ranks with their turns sampled on a rollout rank train
+    as the 2 ranks sampling their own turns (every rank asks for every turn, as under FSDP)."""
+    job = ROOT / "examples" / "agent-keys.yaml"
+    (tmp_path / "job.yaml").write_text(job.read_text())
+    two = ("placement.policy=0,1", "train.per_device_batch=16", "train.max_steps=4", "output.save_every=0")
+    colocated, remote = tmp_path / "runs" / "colocated", tmp_path / "runs" / "remote"
+    for run, extra in ((colocated, ()), (remote, ("placement.rollout=2",))):
+        p = run_user("train", "job.yaml", *sets(*two, f"output.dir={run}", *extra), cwd=tmp_path, timeout=400)
+        assert p.returncode == 0, p.stdout + p.stderr
+    assert_same_run(colocated, remote)

@@ -251,7 +251,10 @@ def sampling(interval: float, out: Path, node: int, labels, *, cpu: bool, in_pro
 def train_labels(topo, node: int, cpu: bool) -> dict[int, tuple[str, int | None]]:
     """rank -> (role, device) of a `gpufleet train` job's ranks on `node` (topology.py's layout)."""
     return {
-        q.rank: (q.role if q.role == "policy" else "scorer: " + "+".join(q.roles), None if cpu else q.device)
+        q.rank: (
+            q.role if q.role in ("policy", "rollout") else "scorer: " + "+".join(q.roles),
+            None if cpu else q.device,
+        )
         for q in topo.places()
         if q.node == node
     }
