@@ -136,6 +136,25 @@ class RolloutSection(Section):
     each batch sampled with the current weights). Each batch records the weights it was sampled with
     (rollout/staleness) and its sampling log-probs (algorithm.importance_sampling_correction)."""
 
+    tools: StrList | None = None
+    """Python functions the policy may call in an env job with env.format chat (TRL's `tools`):
+    `[module:function, path/to/file.py:function, ...]`, looked up like reward functions. Each is offered
+    through the chat template with the JSON schema transformers' `get_json_schema` builds from its
+    signature and docstring (type hints and an `Args:` section); a turn's tool calls are parsed with the
+    tokenizer's response template (`parse_response`), run (async functions too) and answered as `tool`
+    messages; an exception or rollout.tool_timeout becomes the result `{'error': ...}`, as in TRL."""
+
+    max_tool_calling_iterations: int | None = Field(None, ge=0)
+    """Tool-calling turns per episode at most (TRL's name and default: None, no limit other than
+    env.max_turns); a turn with tool calls past it goes to the environment as an ordinary action."""
+
+    tool_timeout: float = Field(60.0, gt=0)
+    """Seconds one tool call may take; past it the call's result is an error and the run goes on."""
+
+    chat_template_kwargs: Mapping = Field(default_factory=dict)
+    """Extra keyword arguments for the tokenizer's `apply_chat_template` in chat episodes (TRL's name),
+    e.g. `{enable_thinking: false}`."""
+
 
 class TrainSection(Section):
     per_device_batch: int = Field(8, ge=1)
@@ -260,8 +279,10 @@ class LaunchSection(Section):
     """Times torchrun restarts all workers after a failure (each restart resumes from the last checkpoint)."""
 
     collective_timeout: int = Field(600, ge=10)
-    """Seconds a collective (all-reduce, gather) may wait before it fails. A rank that dies does not
-    make the others wait this long: torchrun stops them as soon as it sees the failure."""
+    """`gpufleet train`: seconds a collective (all-reduce, gather, a weight push) may wait before it fails;
+    the rank that times out shows every rank's stack. `gpufleet launch`: seconds every rank of a script may
+    stay silent before the run is treated as hung (every rank's stack dumped, every rank stopped, exit 1).
+    A rank that dies does not make the others wait this long: torchrun stops them as soon as it sees it."""
 
 
 class OutputSection(Section):
