@@ -8,7 +8,7 @@ same GPUs, FSDP over more GPUs, fewer tokens, fewer completions per rank. No tor
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpufleet.config.load import Resolved
@@ -39,6 +39,8 @@ class Fix:
     group: int = 0
     """0: the same training on this hardware (the same math, or bf16); 1: a different optimisation
     (LoRA); 2: other GPUs, or less trained per step (fewer tokens or completions). Listed in this order."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More keys for `to_dict` (a rollout split's generation share: plan/split.py)."""
 
     def command(self) -> str:
         """`--gpus 4x24GB --set placement.strategy=fsdp`: what to add to the command line."""
@@ -57,13 +59,14 @@ class Fix:
             "devices": [
                 {
                     "device": d.label,
+                    "roles": d.roles,
                     "total_bytes": d.total,
                     "capacity_bytes": d.capacity,
                     "headroom": round(d.headroom, 4),
                 }
                 for d in self.plan.devices
             ],
-        }
+        } | self.extra
 
 
 def _make_fix(kind: str, r: Resolved, ranks: int, cs: Changes, plan: Plan, gpus: str | None) -> Fix:

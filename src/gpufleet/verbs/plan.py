@@ -7,12 +7,15 @@ Prints which device holds which role, the predicted bytes per device by componen
 optimizer, activations, KV cache, scoring, other), the strategy and why, and the largest
 per_device_batch / num_generations / max_completion_length that fit. Exit 0 when the job fits, 2 when
 it does not (or cannot be laid out), with fixes that were each planned again and fit with >= 10% free.
+A colocated job on 2+ GPUs also gets up to 3 layouts with the rollout on devices of its own, one step
+ahead (plan/split.py), each planned, with its flags and expected time per completion.
 No torch import: the model's config.json is all it reads.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -27,6 +30,7 @@ from gpufleet.plan.loads import HEADROOM, Plan
 from gpufleet.plan.memory import gib
 from gpufleet.plan.search import make_plan
 from gpufleet.plan.shape import Models, load_models
+from gpufleet.plan.split import find_splits
 from gpufleet.text import plural
 
 COLUMNS = ("weights", "grads", "optimizer", "activations", "kv cache", "scoring", "other")
@@ -53,15 +57,16 @@ def plan_command(job: str, sets: Sequence[str], gpus: str, fmt: str, env: Mappin
         fixes = find_fixes(r, hw, env, models)
     if plan is not None and plan.comfortable:
         largest = largest_that_fits(r, hw, env, models)
+    splits = find_splits(r, hw, env, models) if plan is not None else []
     code = EXIT_USER_ERROR if plan is None or not plan.fits or value_errors else 0
     if fmt == "json":
-        print(json.dumps(_as_json(job, hw, plan, problems, r, fixes, largest, code), indent=2))
+        print(json.dumps(_as_json(job, hw, plan, problems, r, fixes, largest, code, splits), indent=2))
     else:
-        print(render_table(job, hw, r, plan, problems + value_errors, fixes, largest, models))
+        print(render_table(job, hw, r, plan, problems + value_errors, fixes, largest, models, splits))
     return code
 
 
-def _as_json(job, hw, plan, problems, r, fixes, largest, code) -> dict:
+def _as_json(job, hw, plan, problems, r, fixes, largest, code, splits) -> dict:
     return {
         "job": job,
         "hardware": hw.describe(),
@@ -73,6 +78,7 @@ def _as_json(job, hw, plan, problems, r, fixes, largest, code) -> dict:
         ],
         "fixes": [f.to_dict() | {"command": f.command()} for f in fixes],
         "largest_that_fits": [x.to_dict() for x in largest],
+        "rollout_splits": [f.to_dict() | {"command": f.command()} for f in splits],
         "notes": list(plan.models.notes) if plan else [],
     }
 
@@ -124,6 +130,7 @@ def render_table(
     fixes: list[Fix],
     largest: list[Largest],
     models: Models,
+    splits: Sequence[Fix] = (),
 ) -> str:
     from gpufleet.config.problems import render_problems
 
@@ -154,6 +161,8 @@ def render_table(
         out += _fix_lines(fixes)
     elif not plan.comfortable:
         out.append("no fix found on GPUs of this kind: use GPUs with more memory or a smaller model.")
+    if splits:
+        out += ["", *split_lines(splits, r)]
     if largest:
         out += ["", f"largest that fits ({HEADROOM:.0%} free on every device, the others held):"]
         w = max(len(x.field) for x in largest)
@@ -242,11 +251,14 @@ def _verdict(plan: Plan) -> str:
     return "does not fit: " + "; ".join(needs) + "."
 
 
-def devices_summary(plan: Plan) -> str:
-    """`device 0: 7.95 / 16.00 GiB (50% free); devices 1-10: ...`: equal devices grouped."""
+def devices_summary(plan: Plan, roles: bool = False) -> str:
+    """`device 0: 7.95 / 16.00 GiB (50% free); devices 1-10: ...`: equal devices grouped. `roles`: each
+    with what runs there (`devices 0-1: policy 9.21 / 24.00 GiB (62% free) each; device 2: rollout ...`)."""
     groups: list[tuple[list[str], str]] = []
     for d in plan.devices:
         text = f"{gib(d.total)} / {gib(d.capacity)} GiB ({d.headroom:.0%} free)"
+        if roles:
+            text = f"{' | '.join(dict.fromkeys(re.sub(r' rank [0-9]+|^scorer: ', '', x) for x in d.roles))} {text}"
         if groups and groups[-1][1] == text:
             groups[-1][0].append(d.label)
         else:
@@ -269,4 +281,28 @@ def _fix_lines(fixes: list[Fix]) -> list[str]:
         host = f.plan.host
         extra = f"; host {gib(host.total)} / {gib(host.capacity)} GiB" if host and host.checked else ""
         lines.append(f"     -> {devices_summary(f.plan)}{extra}; ~{f.cost:.2g}x the time per completion")
+    return lines
+
+
+def split_lines(splits: Sequence[Fix], r: Resolved) -> list[str]:
+    """The rollout splits (plan/split.py): one line each with its flags, one with its devices and the
+    expected time, then the assumption behind that estimate."""
+    g = splits[0].extra["generation_share"]
+    lines = [
+        "rollout on its own devices, one step ahead (rollout.async_steps 1; each planned, >= 10% free on every "
+        "device; re-run plan with one):"
+    ]
+    for i, f in enumerate(splits, 1):
+        lines.append(f"  {i}. {f.kind}: {f.command()}")
+        lines.append(f"     -> {devices_summary(f.plan, roles=True)}; ~{f.cost:.2g}x the time per completion")
+    lines.append(
+        f"  estimated: sampling is ~{g:.0%} of this job's step (from its shape: tokens, rows, models); sampling "
+        f"the next batch while this one trains hides at most {min(g, 1 - g):.0%} of a step; the samples are "
+        "one optimizer step stale, "
+        + (
+            "weighted by the sampler's ratio (algorithm.importance_sampling_correction)"
+            if r.job.algorithm.importance_sampling_correction
+            else "uncorrected (algorithm.importance_sampling_correction is off)"
+        )
+    )
     return lines
