@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gpufleet.config.load import load_job
-from gpufleet.plan.speed import DECODE_ROWS, async_overlap, generation_share
+from gpufleet.plan.speed import DECODE_ROWS, Shape, generation_share, split_cost
 from helpers import run_user
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -51,44 +51,52 @@ def test_7b_on_4x24gb_proposes_the_split_and_its_flags_fit(tmp_path):
     assert code == 0
     splits = out["rollout_splits"]
     assert 1 <= len(splits) <= 3
-    first = splits[0]  # the same training first: the generation batch 32 kept on 2 policy ranks
-    assert first["sets"] == [
+    # issue 35's layout: policy 0,1 FSDP, rollout 2, reference 3; the generation batch 32 kept on 2 ranks
+    (split,) = [s for s in splits if "--set placement.reference=3" in s["sets"]]
+    assert split["sets"] == [
         "--set train.per_device_batch=16",
         "--set placement.policy=0,1",
         "--set placement.rollout=2",
         "--set placement.reference=3",
         "--set rollout.async_steps=1",
     ]
-    assert [d["roles"] for d in first["devices"]] == [
+    assert [d["roles"] for d in split["devices"]] == [
         ["policy rank 0"],
         ["policy rank 1"],
         ["rollout rank 0"],
         ["scorer: reference"],
     ]
     assert all(d["headroom"] >= 0.10 for s in splits for d in s["devices"])
-    g = first["generation_share"]
-    assert 0.5 < g < 0.8  # 512 decode steps at 8 rows against 3 passes (+ checkpointing) and a reference
-    # 2 policy ranks where there were 4, half the step hidden at best: 2 x (1 - min(g, 1 - g))
-    assert first["expected_time_per_completion"] == pytest.approx(2 * (1 - min(g, 1 - g)), abs=1e-3)
+    # by hand (speed.py, units of one token's forward): 4 ranks of 8 rows sampling then training + scoring,
+    # against the rollout rank's 32 rows (decode costs 150 rows' worth) alongside training 16 rows on each
+    # policy rank while the scorer scores both ranks' 32 rows
+    before = (512 * 150 + 8 * 512) + (3 * 8 * 1024 * 1.3 + 8 * 1024)
+    after = max(512 * 150 + 32 * 512, 3 * 16 * 1024 * 1.3 + 32 * 1024)
+    assert split["expected_time_per_completion"] == pytest.approx(after / before, abs=1e-3)
+    g = split["generation_share"]
+    assert g == pytest.approx((512 * 150 + 8 * 512) / before, abs=1e-3)
     costs = [s["expected_time_per_completion"] for s in splits if s["group"] == 0]
-    assert costs == sorted(costs)
+    assert costs == sorted(costs) and [s["group"] for s in splits] == sorted(s["group"] for s in splits)
     for s in splits:
         _fed_back(tmp_path, job, "4x24GB", s)
     check = run_user(
-        "check", job, "--gpus", "4x24GB", *shlex.split(first["command"]), cwd=tmp_path, timeout=120
+        "check", job, "--gpus", "4x24GB", *shlex.split(split["command"]), cwd=tmp_path, timeout=120
     )
     assert check.returncode == 0, check.stdout + check.stderr
 
     table = run_user("plan", job, "--gpus", "4x24GB", cwd=tmp_path, timeout=120).stdout
     lines = table.splitlines()
     at = lines.index(next(x for x in lines if x.startswith("rollout on its own devices")))
+    i = at + 1 + 2 * splits.index(split)
     assert (
-        lines[at + 1]
-        == f"  1. policy 0,1 (FSDP), rollout 2, reference 3 (generation batch 32 kept): {first['command']}"
+        lines[i]
+        == f"  {splits.index(split) + 1}. policy 0,1 (FSDP), rollout 2, reference 3 (generation batch 32 kept): {split['command']}"
     )
-    assert lines[at + 2].startswith("     -> devices 0-1: policy ") and "device 2: rollout " in lines[at + 2]
-    assert "device 3: reference " in lines[at + 2] and lines[at + 2].endswith("x the time per completion")
-    assert lines[at + 1 + 2 * len(splits)].startswith(f"  estimated: sampling is ~{g:.0%} of this job's step")
+    assert lines[i + 1].startswith("     -> devices 0-1: policy ") and "device 2: rollout " in lines[i + 1]
+    assert "device 3: reference " in lines[i + 1] and lines[i + 1].endswith("x the time per completion")
+    assert lines[at + 1 + 2 * len(splits)].startswith(
+        f"  estimated from the job's shape, not measured: sampling is ~{g:.0%} of its step"
+    )
 
 
 def test_quickstart_on_3x24gb_one_split_that_fits(tmp_path):
@@ -138,13 +146,16 @@ def test_env_job_gets_no_split(tmp_path):
     assert out["plan"] is not None and out["rollout_splits"] == []
 
 
-def test_generation_share_by_hand(tmp_path):
-    """g from the job's shape (speed.py): sampling T x max(DECODE_ROWS, rows) + rows x P against training
-    3 x rows x (P + T) (x1.3 checkpointing) and one forward per scoring model."""
+def test_split_cost_by_hand():
+    """speed.py: g from the job's shape; with the same rows on each side a split hides min(g, 1 - g) of a
+    step, the most overlap can give; a rollout rank serving 2 policy ranks samples their rows at once."""
     r = load_job(str(EXAMPLES / "grpo-7b-4x24gb.yaml"), [], {})
     rows, P, T = 8, 512, 512
     sample = T * max(DECODE_ROWS, rows) + rows * P
-    train = 3 * rows * (P + T) * 1.3 + rows * (P + T)  # checkpointing; the reference's forward
-    assert generation_share(r.job) == pytest.approx(sample / (sample + train))
-    assert async_overlap(0.7) == pytest.approx(0.7) and async_overlap(0.2) == pytest.approx(0.8)
-    assert async_overlap(0.5) == pytest.approx(0.5)
+    rest = 3 * rows * (P + T) * 1.3 + rows * (P + T)  # checkpointing; the reference's forward
+    g = generation_share(r.job, Shape(4, 0, 0, rows))
+    assert g == pytest.approx(sample / (sample + rest))
+    same_rows = split_cost(r.job, (), Shape(4, 0, 0, rows), Shape(4, 4, 0, rows))
+    assert same_rows == pytest.approx(1 - min(g, 1 - g))
+    shared = split_cost(r.job, (), Shape(4, 0, 0, rows), Shape(4, 2, 0, rows))
+    assert shared == pytest.approx((T * DECODE_ROWS + 2 * rows * P) / (sample + rest))

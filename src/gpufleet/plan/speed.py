@@ -14,18 +14,21 @@ Factors (multiplied; the sources are measurements people report, not ours):
                                                no full-gradient all-reduce, a tiny optimizer step
     policy ranks n -> m                 x n/m  completions per step follow the ranks
 
-A rollout split (plan/split.py: rollout on devices of its own, `rollout.async_steps` 1) is further
-multiplied by `async_overlap(g)` = 1 - min(g, 1 - g): sampling batch s + 1 while batch s trains, a step
-takes the longer of the two instead of their sum. That is the best case: it assumes the rollout rank
-samples the rows of the policy ranks it serves in the time one policy rank took for its own (decoding
-reads the weights once per token for all rows), and no weight-sync cost. g, the generation share of a
-colocated step, is estimated from the job's shape by `generation_share` (no measurement).
+A rollout split (plan/split.py: rollout on devices of its own, `rollout.async_steps` 1) is priced by
+`split_cost` instead of the rank factor: sampling batch s + 1 while batch s trains, a step takes the longer
+of sampling (on a rollout rank: the rows of every policy rank it serves, at once) and training + scoring
+(on a policy rank) instead of their sum. Both come from the job's shape (`shape_units`: decoding is bound
+by reading the weights, so a decode step costs the same for up to DECODE_ROWS rows), not from a
+measurement; the weight push after each optimizer step is not counted. With the rows unchanged on both
+sides it hides min(g, 1 - g) of a colocated step, g = `generation_share` (the sampling share): the most
+that overlap can give.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from gpufleet.plan.change import Change, value_of
 
@@ -71,25 +74,55 @@ def step_cost(job, changes: Iterable[Change], ranks_before: int, ranks_after: in
     return cost
 
 
-def generation_share(job) -> float:
-    """g: the estimated share of a colocated step spent sampling (the rest: training and scoring), from
-    the job's shape alone, in units of one token's forward (2 x parameters FLOPs):
+def shape_units(job, rows: int, score_rows: int | None = None) -> tuple[float, float]:
+    """(sampling, training + scoring) of a step of `rows` completions per rank, in units of one token's
+    forward (2 x parameters FLOPs at training speed); `score_rows`: rows a scorer scores (default `rows`).
         sampling   T x max(DECODE_ROWS, rows) + rows x P     (decode, memory-bound; prefill)
         training   3 x rows x (P + T) x num_iterations (x1.3 checkpointing, x0.75 LoRA)
-        scoring    rows x (P + T) per scoring model (reference, reward model)
-    rows = completions sampled at once per rank, P / T = prompt / completion tokens. An estimate: real
-    shares depend on the engine, the GPU and how long completions are."""
-    t, m = job.train, job.model
-    rows = t.per_device_batch * t.steps_per_generation
+        scoring    score_rows x (P + T) per scoring model (reference, reward model)
+    P / T = prompt / completion tokens. An estimate: real times depend on the engine, the GPU and how
+    long the completions are."""
+    m = job.model
     P, T = job.rollout.max_prompt_length, job.completion_tokens()
     sample = T * max(DECODE_ROWS, rows) + rows * P
     train = 3 * rows * (P + T) * job.algorithm.num_iterations
     train *= (CHECKPOINTING if m.gradient_checkpointing else 1) * (LORA if m.use_peft else 1)
-    score = rows * (P + T) * sum(job.roles_used().values())
-    return sample / (sample + train + score)
+    scored = (rows if score_rows is None else score_rows) * (P + T) * sum(job.roles_used().values())
+    return sample, train + scored
 
 
-def async_overlap(g: float) -> float:
-    """Step time with sampling one step ahead on other devices, relative to sampling then training in
-    turn: the longer of the two parts, 1 - min(g, 1 - g) (the best case; see the module docstring)."""
-    return 1 - min(g, 1 - g)
+class Shape(NamedTuple):
+    """Ranks per node of a layout (rollout 0: each policy rank samples its own rows; scorers 0: scoring
+    colocated) and the completions each policy rank samples per generation."""
+
+    policy: int
+    rollout: int
+    scorers: int
+    rows: int
+
+
+def _parts(job, shape: Shape) -> tuple[float, float]:
+    """(sampling, training + scoring) of one step of `shape`, each on the busiest rank that does it."""
+    p, m, s, rows = shape
+    sample, _ = shape_units(job, -(-p // m) * rows if m else rows)  # a rollout rank: its policy ranks' rows
+    _, rest = shape_units(job, rows, -(-rows * p // s) if s else rows)  # a scorer: its policy ranks' rows
+    return sample, rest
+
+
+def generation_share(job, shape: Shape) -> float:
+    """g: the estimated share of a step spent sampling, the policy ranks sampling their own rows."""
+    sample, rest = _parts(job, shape._replace(rollout=0))
+    return sample / (sample + rest)
+
+
+def split_cost(job, changes: Iterable[Change], before: Shape, after: Shape) -> float:
+    """Time per completion of `job` laid out as `after` (a rollout split, one step ahead) with `changes`,
+    relative to `job` as `before`: a step takes sampling + training + scoring colocated, the longer of the
+    two parts split (module docstring); memory savers among `changes` (checkpointing, micro-batch, FSDP)
+    as `step_cost`."""
+
+    def per_completion(shape: Shape) -> float:
+        sample, rest = _parts(job, shape)
+        return (max(sample, rest) if shape.rollout else sample + rest) / (shape.rows * shape.policy)
+
+    return per_completion(after) / per_completion(before) * step_cost(job, changes, 1, 1)

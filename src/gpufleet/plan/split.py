@@ -11,7 +11,7 @@ kept when the fewer policy ranks divide it (per_device_batch raised), else it sh
 says so. Each layout is planned with the memory savers the fixes use (smaller micro-batch, checkpointing,
 FSDP) and kept only when it is comfortable (>= 10% free on every device) and splits into whole groups.
 Listed as fixes are: the same training (generation batch) first, then by expected time per completion,
-`speed.step_cost` x `speed.async_overlap` (an estimate, see speed.py), then the fewest rollout devices.
+`speed.split_cost` (an estimate from the job's shape, see speed.py), then the fewest rollout devices.
 No split for an env job (its turns cannot be sampled ahead) or vespo with the sampler correction (refused
 by `check`). No torch import.
 """
@@ -29,7 +29,7 @@ from gpufleet.plan.fixes import Fix, saver_options
 from gpufleet.plan.loads import Plan
 from gpufleet.plan.search import make_plan, splits_into_groups
 from gpufleet.plan.shape import Models, load_models
-from gpufleet.plan.speed import async_overlap, generation_share, step_cost
+from gpufleet.plan.speed import Shape, generation_share, split_cost
 from gpufleet.topology import ROLES
 
 LIMIT = 3
@@ -51,8 +51,7 @@ def find_splits(
     chosen, _ = make_plan(r, hw, env, models)
     if chosen is None:
         return []
-    before, g = chosen.topo.policy_ranks, generation_share(job)
-    found = [_planned(r, hw, env, models, layout, before, g) for layout in _layouts(r, hw, models)]
+    found = [_planned(r, hw, env, models, layout, chosen) for layout in _layouts(r, hw, models)]
     fixes = [f for f in found if f is not None]  # the same training first, then the fewest rollout devices
     return sorted(fixes, key=lambda f: (f.group, f.cost, len(f.plan.topo.rollout_devices)))[:limit]
 
@@ -104,10 +103,11 @@ def _batch_kept(r: Resolved, before: int, after: int) -> Changes:
 
 
 def _planned(
-    r: Resolved, hw: Hardware, env: Mapping[str, str], models: Models, layout: Changes, before: int, g: float
+    r: Resolved, hw: Hardware, env: Mapping[str, str], models: Models, layout: Changes, chosen: Plan
 ) -> Fix | None:
     """The first comfortable version of `layout`: the generation batch kept if it can be, the cheapest
-    memory savers first; None when none is."""
+    memory savers first; None when none is. `chosen`: the job's own plan."""
+    before = chosen.topo.policy_ranks
     after = len(value_of(layout, "placement.policy", ())) * r.job.launch.nnodes
     for batch in dict.fromkeys([_batch_kept(r, before, after), ()]):
         for savers in saver_options(apply(r, batch), layout, fsdp=after > 1):
@@ -115,8 +115,8 @@ def _planned(
             rv = apply(r, cs)
             plan, _ = make_plan(rv, hw, env, models, choose=False)
             if plan is not None and plan.comfortable and splits_into_groups(rv, plan):
-                cost = step_cost(r.job, cs, before, plan.topo.policy_ranks) * async_overlap(g)
-                extra = {"generation_share": round(g, 3), "hidden_at_most": round(min(g, 1 - g), 3)}
+                cost = split_cost(r.job, cs, _shape(chosen), _shape(plan))
+                extra = {"generation_share": round(generation_share(r.job, _shape(chosen)), 3)}
                 same = r.job.generation_batch(before) == rv.job.generation_batch(plan.topo.policy_ranks)
                 return Fix(_describe(r, plan, before), cs, None, plan, cost, 0 if same else 2, extra)
     return None
@@ -145,3 +145,10 @@ def _describe(r: Resolved, plan: Plan, before: int) -> str:
     if plan.per_device_batch != t.per_device_batch and t.global_batch is None:
         return ", ".join(parts) + f" (generation batch {was} kept)"
     return ", ".join(parts)
+
+
+def _shape(plan: Plan) -> Shape:
+    topo = plan.topo
+    return Shape(
+        len(topo.policy_devices), len(topo.rollout_devices), len(topo.scorer_devices), plan.rollout_rows
+    )

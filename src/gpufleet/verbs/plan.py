@@ -296,9 +296,9 @@ def split_lines(splits: Sequence[Fix], r: Resolved) -> list[str]:
         lines.append(f"  {i}. {f.kind}: {f.command()}")
         lines.append(f"     -> {devices_summary(f.plan, roles=True)}; ~{f.cost:.2g}x the time per completion")
     lines.append(
-        f"  estimated: sampling is ~{g:.0%} of this job's step (from its shape: tokens, rows, models); sampling "
-        f"the next batch while this one trains hides at most {min(g, 1 - g):.0%} of a step; the samples are "
-        "one optimizer step stale, "
+        f"  estimated from the job's shape, not measured: sampling is ~{g:.0%} of its step now; split, a step "
+        "takes the longer of sampling (a rollout rank samples the rows of its policy ranks at once) and training "
+        "+ scoring, not their sum (the weight push not counted); the samples are one optimizer step stale, "
         + (
             "weighted by the sampler's ratio (algorithm.importance_sampling_correction)"
             if r.job.algorithm.importance_sampling_correction
