@@ -116,6 +116,28 @@ def test_quickstart_on_3x24gb_one_split_that_fits(tmp_path):
     assert "  1. policy 0,1 (DDP), rollout 2 (generation batch 384 kept): " + split["command"] in table
 
 
+def test_reference_and_reward_model_on_one_scorer_device(tmp_path):
+    """A reward model (its config.json in the user's folder) and a reference: the split that gives both a
+    scorer device of their own names them, and plans again as proposed."""
+    from gpufleet.models.known import known_config
+
+    raw = known_config("Qwen/Qwen2.5-0.5B-Instruct")
+    raw.update(architectures=["Qwen2ForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(raw))
+    job = yaml.safe_load((EXAMPLES / "gsm8k-qwen05b.yaml").read_text())
+    job["reward"] = {"model": "rm"}
+    job["algorithm"]["beta"] = 0.04
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    code, out = _plan_json(tmp_path, "job.yaml", "4x16GB")
+    assert code == 0
+    (split,) = [s for s in out["rollout_splits"] if "--set placement.reward=3" in s["sets"]]
+    assert "--set placement.reference=3" in split["sets"] and "--set placement.rollout=2" in split["sets"]
+    assert split["kind"].startswith("policy 0,1 (DDP), rollout 2, reference + reward model 3")
+    plan = _fed_back(tmp_path, "job.yaml", "4x16GB", split)
+    assert plan["devices"][3]["roles"] == ["scorer: reference + reward model"]
+
+
 def test_no_split_when_it_cannot_help(tmp_path):
     """One device; a 7B whose policy needs both GPUs (offload needs FSDP over 2+ ranks); a job already
     split; the CPU."""

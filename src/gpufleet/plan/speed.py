@@ -79,7 +79,7 @@ def shape_units(job, rows: int, score_rows: int | None = None) -> tuple[float, f
     forward (2 x parameters FLOPs at training speed); `score_rows`: rows a scorer scores (default `rows`).
         sampling   T x max(DECODE_ROWS, rows) + rows x P     (decode, memory-bound; prefill)
         training   3 x rows x (P + T) x num_iterations (x1.3 checkpointing, x0.75 LoRA)
-        scoring    score_rows x (P + T) per scoring model (reference, reward model)
+        scoring    score_rows x (P + T) per scoring model (reference, reward model; each taken as the policy's size)
     P / T = prompt / completion tokens. An estimate: real times depend on the engine, the GPU and how
     long the completions are."""
     m = job.model

@@ -127,7 +127,10 @@ def _describe(r: Resolved, plan: Plan, before: int) -> str:
     topo, ids = plan.topo, lambda ds: ",".join(map(str, ds))
     strategy = "one rank" if plan.strategy == "single" else plan.strategy.upper()
     parts = [f"policy {ids(topo.policy_devices)} ({strategy})", f"rollout {ids(topo.rollout_devices)}"]
-    parts += [f"{' + '.join(roles)} {d}" for d, roles in topo.scorer_devices]
+    parts += [
+        f"{' + '.join(x.replace('reward', 'reward model') for x in roles)} {d}"
+        for d, roles in topo.scorer_devices
+    ]
     colocated = [
         x
         for x, at in (("reference", plan.reference), ("reward model", plan.reward_model))
@@ -135,6 +138,8 @@ def _describe(r: Resolved, plan: Plan, before: int) -> str:
     ]
     if colocated:
         parts.append(f"{' + '.join(colocated)} colocated")
+    if topo.nnodes > 1:
+        parts.append(f"on each of {topo.nnodes} nodes")
     t = r.job.train
     was, now = (
         r.job.generation_batch(before),
