@@ -35,7 +35,8 @@ from gpufleet.topology import ROLES
 LIMIT = 3
 """The most splits `gpufleet plan` proposes (fastest expected first)."""
 MAX_ROLLOUT_DEVICES = 4
-"""The most rollout devices a proposal uses (more only adds weight copies: time does not improve)."""
+"""The most rollout devices a proposal uses (a decode step costs about the same up to 150 rows, so more
+rollout ranks mostly add weight copies)."""
 
 
 def find_splits(
@@ -52,7 +53,7 @@ def find_splits(
     if chosen is None:
         return []
     found = [_planned(r, hw, env, models, layout, chosen) for layout in _layouts(r, hw, models)]
-    fixes = [f for f in found if f is not None]  # the same training first, then the fewest rollout devices
+    fixes = [f for f in found if f is not None]  # same training first, fastest, fewest rollout devices
     return sorted(fixes, key=lambda f: (f.group, f.cost, len(f.plan.topo.rollout_devices)))[:limit]
 
 
