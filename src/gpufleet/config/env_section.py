@@ -24,6 +24,16 @@ class EnvSection(Section):
     last `success` was True -- an episode that ends without saying is no success -- and is NaN until
     some info of the run has had the key (an env that never says has no rate, not 0)."""
 
+    format: Literal["text", "chat"] = "text"
+    """How an episode is laid out for the policy. `text`: the first observation is the prompt and each
+    observation's tokens follow the action as they are. `chat`: the model's chat template lays it out --
+    the first observation as a user message (with rollout.tools offered), each action as an assistant
+    message, each observation as a user message and each tool result as a tool message; the tokens
+    between two actions come from the template (as TRL's `_get_tool_suffix_ids`), never from
+    re-tokenising the history, so the trained tokens are exactly the sampled ones. The environment gets
+    each action's message content (tool calls parsed out). Needs a prefix-preserving chat template
+    (checked by `gpufleet check`)."""
+
     kwargs: Mapping = Field(default_factory=dict)
     """Keyword arguments for the environment's constructor (for gymnasium: those of `gymnasium.make`,
     e.g. `{is_slippery: false}`)."""

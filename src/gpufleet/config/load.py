@@ -194,6 +194,8 @@ def _anchor_paths(resolved: Resolved, base: Path, kinds: tuple[str, ...] = ("fil
             setattr(getattr(job, section), name, local(value))
     if resolved.source("reward.functions").kind in kinds:
         job.reward.functions = [anchored(f, base) if ":" in f else f for f in job.reward.functions]
+    if job.rollout.tools and resolved.source("rollout.tools").kind in kinds:
+        job.rollout.tools = [anchored(f, base) if ":" in f else f for f in job.rollout.tools]
     name = job.env.name
     if name and resolved.source("env.name").kind in kinds and not name.startswith(("builtin:", "gymnasium:")):
         job.env.name = anchored(name, base)

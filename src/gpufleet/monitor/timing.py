@@ -25,7 +25,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 
-PHASES = ("generate", "score", "env", "backward", "optimizer", "comm", "checkpoint", "other")
+PHASES = ("generate", "score", "env", "tools", "backward", "optimizer", "comm", "checkpoint", "other")
 """Every phase a step is split into, in the order the report stacks them."""
 
 

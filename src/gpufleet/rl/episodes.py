@@ -13,6 +13,14 @@ an observation is tokenised (its first `env.max_observation_tokens` tokens) and 
 An episode ends when the environment says terminated or truncated, at `env.max_turns`, or when the next
 turn would pass `env.max_episode_tokens` (truncated).
 
+With env.format chat (rl/chat.py, rl/chatturns.py) the same episode is laid out by the model's chat
+template: the prompt is [user(first observation)] rendered once with rollout.tools and the generation
+prompt; after each action come the template's bridge tokens (end of turn, the observation as a user
+message or a tool call's results as tool messages, the next generation prompt; mask 0), computed as
+TRL's `_get_tool_suffix_ids` does; a turn with tool calls is answered by its tools (up to
+rollout.max_tool_calling_iterations such turns), any other goes to the environment as its content.
+Every policy turn counts against env.max_turns; bridges count against the episode budget.
+
 The result is an ordinary generation batch: `completion_start` is the first prompt's padded length,
 `attention_mask` covers actions and observations, `completion_mask` (the loss mask) the actions only, so
 losses, normalisers (dapo / bnpo count policy tokens), log-probs and the KL see the policy's tokens only.
@@ -31,6 +39,7 @@ import torch
 
 from gpufleet.engine.rollout import Rollout, left_pad
 from gpufleet.env.connect import env_errors
+from gpufleet.rl import chatturns
 from gpufleet.rl.batch import encode_prompt
 from gpufleet.rl.parts import sample
 
@@ -65,6 +74,9 @@ class _Episode:
     success: float = 0.0  # what info["success"] said last; an episode that never says is no success
     done: bool = False
     truncated: bool = False
+    tool_rounds: int = 0  # chat: turns answered by tools
+    tool_calls: int = 0
+    tool_failures: int = 0
 
 
 @dataclass
@@ -92,6 +104,7 @@ def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_in
 
 def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
     cfg, tok = p.job.env, p.tokenizer
+    chat = _chat(p)
     eps = [
         _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
         for j, pos, s in zip(rows, row_pos, sample_seeds, strict=True)
@@ -102,26 +115,44 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
     for e, (obs, info) in zip(eps, first, strict=True):
         text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
         name = f"the first observation of episode {e.id}"
-        e.prompt = encode_prompt(tok, text, p.job.rollout.max_prompt_length, name) or [tok.eos_token_id]
+        if chat is not None:  # rendered once; like any prompt, its last max_prompt_length tokens
+            e.prompt = chat.fmt.first_prompt(text)[-p.job.rollout.max_prompt_length :]
+        else:
+            e.prompt = encode_prompt(tok, text, p.job.rollout.max_prompt_length, name) or [tok.eos_token_id]
         prompts.append(text)
     budget = cfg.episode_tokens()
     for turn in range(cfg.max_turns):
         live = [e for e in eps if not e.done]
         if not _anyone(p, bool(live)):
             break
-        actions = _act(p, live, turn, budget)
+        actions, last = _act(p, live, turn, budget), turn == cfg.max_turns - 1
+        if chat is None:
+            calls, steps = [], [(e, ids, text, text) for e, (ids, text) in zip(live, actions, strict=True)]
+        else:
+            calls, steps = chatturns.split_turn(chat, live, actions)
+            for (e, ids, text, _), results in zip(
+                calls, chatturns.run_tools(chat, p.rt.clock, calls), strict=True
+            ):
+                _record_tools(e, ids, text, results, chat, tok, last_turn=last, budget=budget)
         with p.rt.clock.phase("env"):
-            results = (
-                p.env.step([(e.id, text) for e, (_, text) in zip(live, actions, strict=True)]) if live else []
-            )
-        for e, (ids, text), result in zip(live, actions, results, strict=True):
-            _record(e, ids, text, result, tok, cfg, last_turn=turn == cfg.max_turns - 1, budget=budget)
+            results = p.env.step([(e.id, said) for e, _, _, said in steps]) if steps else []
+        for (e, ids, text, _), result in zip(steps, results, strict=True):
+            _record(e, ids, text, result, tok, cfg, chat, last_turn=last, budget=budget)
     for e in eps:  # still running after max_turns (only when every rank stopped early: never here)
         if not e.done:
             e.done = e.truncated = True
     with p.rt.clock.phase("env"):
         p.env.close([e.id for e in eps])
     return _assemble(p, eps, prompts)
+
+
+def _chat(p) -> chatturns.ChatRun | None:
+    """The run's chat layout and tools (env.format: chat), built on first use; None: text episodes."""
+    if p.job.env.format != "chat":
+        return None
+    if p.chat is None:
+        p.chat = chatturns.chat_run(p.job, p.tokenizer)
+    return p.chat
 
 
 def _anyone(p, mine: bool) -> bool:
@@ -149,14 +180,12 @@ def _act(p, live: list[_Episode], turn: int, budget: int) -> list[tuple[list[int
     return actions
 
 
-def _record(e: _Episode, ids, text, result, tok, cfg, *, last_turn: bool, budget: int) -> None:
-    """Append one turn to episode `e`: the action (mask 1), then the observation (mask 0) if it goes on."""
+def _record(e: _Episode, ids, text, result, tok, cfg, chat, *, last_turn: bool, budget: int) -> None:
+    """Append one turn to episode `e`: the action (mask 1), then the observation (mask 0) if it goes on:
+    its tokens (text), or the template's user message around it and the next generation prompt (chat)."""
     obs, reward, terminated, truncated, info = result
-    e.tokens += ids
-    e.mask += [1] * len(ids)
-    e.segments.append((text, True))
+    _action(e, ids, text)
     e.reward += reward
-    e.turns += 1
     e.invalid += bool(info.get("invalid_action", False))
     if "success" in info:
         e.success = float(bool(info["success"]))
@@ -167,12 +196,35 @@ def _record(e: _Episode, ids, text, result, tok, cfg, *, last_turn: bool, budget
     e.observed += 1
     if len(obs_ids) > cfg.max_observation_tokens:
         obs_ids, e.cut = obs_ids[: cfg.max_observation_tokens], e.cut + 1
-    if last_turn or len(e.tokens) + len(obs_ids) >= budget:  # no room for another action
+        obs = tok.decode(obs_ids, skip_special_tokens=True)
+    _splice(e, obs_ids if chat is None else chatturns.observation_bridge(chat, obs), tok, last_turn, budget)
+
+
+def _record_tools(e: _Episode, ids, text, results, chat, tok, *, last_turn: bool, budget: int) -> None:
+    """Append a turn whose tool calls ran: the action (mask 1), then the tool messages and the next
+    generation prompt (mask 0) if it goes on."""
+    _action(e, ids, text)
+    e.tool_rounds += 1
+    e.tool_calls += len(results)
+    e.tool_failures += sum(r.failed for r in results)
+    _splice(e, chatturns.tool_bridge(chat, results), tok, last_turn, budget)
+
+
+def _action(e: _Episode, ids, text) -> None:
+    e.tokens += ids
+    e.mask += [1] * len(ids)
+    e.segments.append((text, True))
+    e.turns += 1
+
+
+def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int) -> None:
+    """Append the tokens between two actions (mask 0), or end the episode when no action would fit."""
+    if last_turn or len(e.tokens) + len(bridge) >= budget:  # no room for another action
         e.done = e.truncated = True
         return
-    e.tokens += obs_ids
-    e.mask += [0] * len(obs_ids)
-    e.segments.append((tok.decode(obs_ids, skip_special_tokens=True), False))
+    e.tokens += bridge
+    e.mask += [0] * len(bridge)
+    e.segments.append((tok.decode(bridge, skip_special_tokens=True), False))
 
 
 def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
@@ -204,6 +256,9 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         "cut": torch.tensor([float(e.cut) for e in eps]),
         "observed": torch.tensor([float(e.observed) for e in eps]),
     }
+    if p.job.rollout.tools:
+        counts["tool_calls"] = torch.tensor([float(e.tool_calls) for e in eps])
+        counts["tool_failures"] = torch.tensor([float(e.tool_failures) for e in eps])
     return Episodes(
         rollout=rollout,
         loss_mask=loss.to(device),
@@ -215,11 +270,16 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
     )
 
 
+TOOL_COUNTS = ("tool_calls", "tool_failures")
+
+
 def episode_stats(rt, e: Episodes) -> dict[str, float]:
     """Per generation batch over every rank: env/turns_mean, env/success_rate (the episodes whose env said
     `success: True` last, over all episodes: one that ends without saying is no success; NaN until some
     info of the run has had a `success` key), env/invalid_action_rate (per action),
-    env/observation_cut_rate (per observation); `timing/env` is the step clock's (monitor/timing.py)."""
+    env/observation_cut_rate (per observation); with rollout.tools, TRL's tools/call_frequency (tool calls
+    per episode) and tools/failure_frequency (per call). `timing/env` and `timing/tools` are the step
+    clock's (monitor/timing.py)."""
     from gpufleet.dist import all_reduce_sum
 
     c = e.counts
@@ -232,12 +292,17 @@ def episode_stats(rt, e: Episodes) -> dict[str, float]:
             float(c["said"].sum()),
             float(c["cut"].sum()),
             float(c["observed"].sum()),
+            *[float(c[k].sum()) for k in TOOL_COUNTS if k in c],
         ]
     )
-    n, turns, invalid, success, said_n, cut, obs = all_reduce_sum(rt, local).tolist()
-    return {
+    n, turns, invalid, success, said_n, cut, obs, *tools = all_reduce_sum(rt, local).tolist()
+    out = {
         "env/turns_mean": turns / max(n, 1),
         "env/success_rate": success / max(n, 1) if said_n else float("nan"),
         "env/invalid_action_rate": invalid / max(turns, 1),
         "env/observation_cut_rate": cut / max(obs, 1),
     }
+    if tools:  # TRL's names: calls per episode, failures per call
+        out["tools/call_frequency"] = tools[0] / max(n, 1)
+        out["tools/failure_frequency"] = tools[1] / tools[0] if tools[0] else 0.0
+    return out

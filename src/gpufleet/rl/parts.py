@@ -43,6 +43,8 @@ class Parts:
     """(alpha, policy parameters) of reference syncs not yet sent to the scorer rank (rl/refsync.py)."""
     remote: rollouts.RemoteRollout | None = None
     """This rank's dedicated rollout rank (rl/rollouts.py), or None: it samples its own rows."""
+    chat: object | None = None
+    """env.format chat: the run's chat layout and tools (rl/chatturns.py `ChatRun`), built on first use."""
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,150 @@
+"""Chat episodes in the model's own template (env.format: chat), token-in / token-out.
+
+The first prompt is rendered once: [user(first observation)] with the tools and the generation prompt.
+After that nothing already in the episode is rendered again. The policy's sampled tokens are kept as
+they are; the tokens that follow them (end of turn, the user / tool message, the next generation
+prompt: the "bridge") come from rendering a dummy conversation twice, as TRL 1.16's
+`GRPOTrainer._get_tool_suffix_ids` does:
+
+    prefix = render([user "dummy", assistant ""])                      trimmed after its last EOS
+    full   = render([user "dummy", assistant "", *messages], add_generation_prompt=True)
+    bridge = full[len(prefix):]
+
+so an episode is  prompt + action_1 + bridge_1 + action_2 + ...  with loss on the actions only. This
+holds only for a prefix-preserving template (rendering more messages never changes the rendering of the
+earlier ones): `template_problem` checks that on a two-turn conversation before the run (`gpufleet check`).
+No torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+DUMMY_USER = {"role": "user", "content": "dummy"}
+
+
+class ChatFormat:
+    """One tokenizer's chat layout of episodes (see the module docstring)."""
+
+    def __init__(self, tokenizer, tools: Sequence[dict] = (), kwargs: dict[str, Any] | None = None):
+        self.tok, self.tools, self.kwargs = tokenizer, list(tools), dict(kwargs or {})
+
+    def render(self, messages: list[dict], *, generation: bool = False, tools: bool = False) -> list[int]:
+        return list(
+            self.tok.apply_chat_template(
+                messages,
+                tools=self.tools or None if tools else None,
+                add_generation_prompt=generation,
+                tokenize=True,
+                return_dict=False,
+                **self.kwargs,
+            )
+        )
+
+    def first_prompt(self, text: str) -> list[int]:
+        """The episode's prompt: the first observation as a user message, tools offered, generation prompt."""
+        return self.render([{"role": "user", "content": text}], generation=True, tools=True)
+
+    def bridge(self, messages: list[dict]) -> list[int]:
+        """The tokens between an action and the next: the end of the assistant turn, `messages` (user or
+        tool), the next generation prompt (TRL's `_get_tool_suffix_ids`, for user messages too)."""
+        assistant: dict = {"role": "assistant", "content": ""}
+        if messages and messages[0].get("role") == "tool":  # the real tool name: some templates use it
+            assistant["tool_calls"] = [
+                {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
+            ]
+        head = [DUMMY_USER, assistant]
+        prefix, full = self.render(head), self.render(head + messages, generation=True)
+        prefix = _trim(prefix, self.tok.eos_token_id)
+        if full[: len(prefix)] != prefix:
+            raise ValueError("the chat template is not prefix-preserving (gpufleet check says why)")
+        return full[len(prefix) :]
+
+    def parse(self, action: list[int], context: list[int]) -> dict:
+        """The assistant message of a sampled turn (`parse_response` with the tokenizer's response
+        template; the tools' schemas cast the arguments). A turn the template cannot parse, or a
+        tokenizer without a response template, is plain content (TRL's fallback)."""
+        eos = self.tok.eos_token_id
+        text = self.tok.decode([t for t in action if t != eos], skip_special_tokens=True)
+        if getattr(self.tok, "response_template", None) is None:
+            return {"role": "assistant", "content": text}
+        try:
+            prefix = self.tok.decode(context, skip_special_tokens=False)
+            parsed = self.tok.parse_response(text, prefix=prefix, tools=self.tools or None)
+        except Exception:  # a malformed call: the text is the content, as TRL's parse_response falls back
+            return {"role": "assistant", "content": text}
+        if not isinstance(parsed, dict):
+            return {"role": "assistant", "content": text}
+        parsed.setdefault("content", "")
+        if parsed.get("content") is None:
+            parsed["content"] = ""
+        return parsed
+
+
+def template_problem(
+    tokenizer, tools: Sequence[dict] = (), kwargs: dict[str, Any] | None = None
+) -> str | None:
+    """Why this tokenizer's chat template cannot run chat episodes (None: it can). Renders a two-turn
+    conversation (user, assistant, user observation, assistant; with tools: a tool call and its result)
+    and checks that every shorter rendering is a prefix of the longer one, and that tool calls and tool
+    results survive rendering (TRL's `supports_tool_calling`)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "the tokenizer has no chat template"
+    fmt = ChatFormat(tokenizer, tools, kwargs)
+    call = [{"type": "function", "function": {"name": "toolnamea", "arguments": {"argkeyb": "argvalc"}}}]
+    turns: list[dict] = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "<think>\nreason\n</think>\n\nactionone"},
+        {"role": "user", "content": "observation"},
+    ]
+    if tools:
+        turns += [
+            {"role": "assistant", "content": "", "tool_calls": call},
+            {"role": "tool", "name": "toolnamea", "content": "resultd"},
+        ]
+    turns.append({"role": "assistant", "content": "actiontwo"})
+    try:
+        for n in range(2, len(turns) + 1):
+            if turns[n - 1]["role"] != "assistant":
+                continue
+            why = _grows(fmt, fmt.render(turns[: n - 1], generation=True), fmt.render(turns[:n]), n)
+            if why is None and n < len(turns):
+                done = _trim(fmt.render(turns[:n]), tokenizer.eos_token_id)
+                why = _grows(fmt, done, fmt.render(turns[: n + 1], generation=True), n + 1)
+            if why is not None:
+                return why
+            if n < len(turns):
+                fmt.bridge([turns[n]])
+        text = tokenizer.apply_chat_template(turns, tokenize=False, tools=list(tools) or None, **fmt.kwargs)
+    except ValueError as e:
+        return str(e)
+    except Exception as e:  # the template (jinja) refused the conversation
+        return f"it cannot render a two-turn conversation: {type(e).__name__}: {e}"
+    missing = [s for s in ("toolnamea", "argkeyb", "argvalc", "resultd") if tools and s not in text]
+    if missing:
+        return f"it drops tool calls or tool results (renders no {', '.join(missing)})"
+    if tools and getattr(tokenizer, "response_template", None) is None:
+        return "the tokenizer has no response_template, so tool calls cannot be parsed (parse_response)"
+    return None
+
+
+def _trim(ids: list[int], eos: int | None) -> list[int]:
+    """`ids` cut after their last EOS (TRL's alignment of a rendered turn's end)."""
+    ends = [i for i, t in enumerate(ids) if t == eos]
+    return ids[: ends[-1] + 1] if ends else ids
+
+
+def _grows(fmt: ChatFormat, short: list[int], long: list[int], n: int) -> str | None:
+    if long[: len(short)] == short:
+        return None
+    diffs = (i for i, (a, b) in enumerate(zip(short, long, strict=False)) if a != b)
+    at = next(diffs, min(len(short), len(long)))
+    before, after = (
+        fmt.tok.decode(short[max(at - 10, 0) : at + 10]),
+        fmt.tok.decode(long[max(at - 10, 0) : at + 10]),
+    )
+    return (
+        f"adding message {n} re-renders the conversation before it ({before!r} becomes {after!r}; "
+        "some templates drop earlier turns' reasoning)"
+    )

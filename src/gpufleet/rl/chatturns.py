@@ -1,0 +1,78 @@
+"""A chat episode's turn after sampling (env.format: chat; rl/episodes.py runs the loop).
+
+Each sampled turn is parsed into an assistant message (rl/chat.py). A turn with tool calls, while the
+episode has tool-calling turns left (rollout.max_tool_calling_iterations), runs its calls (rl/tools.py)
+and is answered by `tool` messages; any other turn goes to the environment as the message's content,
+and the observation comes back as a `user` message. Either way the answer is spliced in as the bridge
+tokens the template puts between two assistant turns (mask 0): nothing already in the episode is
+rendered or tokenised again.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from gpufleet.errors import UserError
+from gpufleet.rl.chat import ChatFormat, template_problem
+from gpufleet.rl.tools import Result, Tool, load_tools, run_call
+
+
+@dataclass
+class ChatRun:
+    """What a run's chat episodes need, built once (`chat_run`)."""
+
+    fmt: ChatFormat
+    tools: dict[str, Tool]
+    max_calls: int  # tool-calling turns per episode
+    timeout: float  # seconds per tool call
+
+
+def chat_run(job, tokenizer) -> ChatRun:
+    """The job's chat layout and tools; a template that cannot do it is a UserError (check says it first)."""
+    ro = job.rollout
+    tools = load_tools(ro.tools or [])
+    fmt = ChatFormat(tokenizer, [t.schema for t in tools], dict(ro.chat_template_kwargs))
+    why = template_problem(tokenizer, fmt.tools, fmt.kwargs)
+    if why is not None:
+        raise UserError(
+            f"env.format chat: {job.model.path}'s chat template: {why}.", field="env.format", fix=FIX
+        )
+    calls = sys.maxsize if ro.max_tool_calling_iterations is None else ro.max_tool_calling_iterations
+    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout)
+
+
+FIX = (
+    "use a model whose chat template renders each turn the same whatever follows it (for a reasoning model, "
+    "one that keeps earlier turns' thinking; rollout.chat_template_kwargs may switch it, e.g. "
+    "{enable_thinking: false}), or --set env.format=text"
+)
+
+
+def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
+    """(tool turns [(episode, ids, text, tool calls)], environment turns [(episode, ids, text, content)])."""
+    calls, steps = [], []
+    for e, (ids, text) in zip(live, actions, strict=True):
+        message = run.fmt.parse(ids, e.prompt + e.tokens)
+        wanted = message.get("tool_calls") or []
+        if wanted and run.tools and e.tool_rounds < run.max_calls:
+            calls.append((e, ids, text, wanted))
+        else:
+            steps.append((e, ids, text, str(message.get("content") or "")))
+    return calls, steps
+
+
+def run_tools(run: ChatRun, clock, calls: list) -> list[list[Result]]:
+    """Every tool call of this turn's tool turns, in order (timed as the phase `tools`)."""
+    with clock.phase("tools"):
+        return [[run_call(run.tools, c, run.timeout) for c in wanted] for _, _, _, wanted in calls]
+
+
+def observation_bridge(run: ChatRun, obs: str) -> list[int]:
+    """The tokens after an environment turn: the observation as a user message, then the next prompt."""
+    return run.fmt.bridge([{"role": "user", "content": obs}])
+
+
+def tool_bridge(run: ChatRun, results: list[Result]) -> list[int]:
+    """The tokens after a tool turn: its tool messages, then the next generation prompt."""
+    return run.fmt.bridge([r.message for r in results])
