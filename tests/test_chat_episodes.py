@@ -218,3 +218,22 @@ def test_check_accepts_tools_in_chat_episodes(tmp_path):
     (tmp_path / "mytools.py").write_text(TOOLS)
     p = _check(tmp_path, "rollout.tools=mytools.py:add,mytools.py:slow")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_on_a_chat_episode_job(tmp_path):
+    """The agent-keys example in chat format: seeds come from the episode and turn, never the rank."""
+    from test_env_train import metrics, train, weights
+
+    sets = ("env.format=chat", "env.max_episode_tokens=48", "rollout.max_prompt_length=16")
+    sets += ("train.max_steps=3", "train.learning_rate=1e-3", "output.save_every=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    p = train(one, "train.per_device_batch=32", *sets)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = train(two, "train.per_device_batch=16", "launch.nproc_per_node=2", *sets)
+    assert p.returncode == 0, p.stdout + p.stderr
+    a, b = weights(one), weights(two)
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+    assert [x["reward"] for x in metrics(one)] == pytest.approx([x["reward"] for x in metrics(two)], abs=1e-6)
+    assert metrics(one)[-1]["env/turns_mean"] == pytest.approx(metrics(two)[-1]["env/turns_mean"])

@@ -1,4 +1,5 @@
 """Built-in environments: small, deterministic, learnable by a randomly initialised tiny model on a CPU.
+(`builtin:vault`, a task that needs a tool call in chat episodes, is in env/vault.py.)
 
 `builtin:keys` -- a row of doors, each marked with a letter; typing the letter (`length` times: the
 key's teeth) opens the door:
@@ -26,6 +27,8 @@ from __future__ import annotations
 import random
 import string
 from typing import Any
+
+from gpufleet.env.vault import VaultEnv
 
 LETTERS = string.ascii_lowercase
 
@@ -67,5 +70,5 @@ class KeysEnv:
         return f"\n{self._doors[self._at]}:", reward, False, False, info
 
 
-BUILTIN_ENVS: dict[str, type] = {"keys": KeysEnv}
+BUILTIN_ENVS: dict[str, type] = {"keys": KeysEnv, "vault": VaultEnv}
 """`builtin:<name>` -> class."""

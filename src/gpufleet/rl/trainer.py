@@ -170,7 +170,11 @@ def _rollout_metrics(rt: Runtime, s: Scored, labels: list[str]) -> dict[str, flo
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(truncated.mean()),
     }
-    m |= {k: v for k, v in s.stats.items() if k.startswith(("env/", "timing/", "rollout/", "sampling/"))}
+    m |= {
+        k: v
+        for k, v in s.stats.items()
+        if k.startswith(("env/", "tools/", "timing/", "rollout/", "sampling/"))
+    }
     for j, label in enumerate(labels):  # as TRL: over the completions the function scored (not None)
         col = s.per_function[:, j]
         m[f"rewards/{label}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
