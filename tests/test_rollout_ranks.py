@@ -6,6 +6,7 @@ user's folder)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpufleet.engine.rollout import Rollout
-from gpufleet.rl.rollouts import buckets
+from gpufleet.rl.rollouts import buckets, wire
 from gpufleet.topology import Topology
 from helpers import run_user, sets
 
@@ -39,9 +40,19 @@ def test_rollout_ranks_come_after_the_scorers_on_each_node():
 
 
 def test_buckets_cut_both_ends_alike():
-    assert buckets([4, 4, 4], limit=8) == [range(0, 2), range(2, 3)]
-    assert buckets([20, 4, 4], limit=8) == [range(0, 1), range(1, 3)]  # a large tensor alone
+    """Buckets of at most `limit` bytes, a larger tensor alone, and never two dtypes in one."""
+    f32 = [("a", "float32", 1), ("b", "float32", 1), ("c", "float32", 1)]
+    assert buckets(f32, limit=8) == [range(0, 2), range(2, 3)]
+    assert buckets([("e", "float32", 5), *f32[:2]], limit=8) == [range(0, 1), range(1, 3)]
+    assert buckets([("a", "bfloat16", 2), ("b", "float32", 1)], limit=64) == [range(0, 1), range(1, 2)]
     assert buckets([], limit=8) == []
+
+
+def test_the_wire_is_the_rollout_dtype_for_a_model_and_their_own_for_adapters():
+    model = torch.nn.Linear(2, 3)
+    assert wire(model, torch.bfloat16) == [("weight", "bfloat16", 6), ("bias", "bfloat16", 3)]
+    model.peft_config = {}  # what a peft model has
+    assert wire(model, torch.bfloat16) == [("weight", "float32", 6), ("bias", "float32", 3)]
 
 
 def test_rows_are_what_generate_gives_them_alone():
@@ -91,9 +102,16 @@ def test_plan_has_a_row_for_the_rollout_device(tmp_path):
     proc = devices[2]["processes"][0]
     assert proc["peak_phase"] == "rollout" and proc["grads"] == 0 and proc["optimizer"] == 0
     policy = devices[0]["processes"][0]
+    p = run_user("plan", str(QUICK), "--gpus", "3x24GB", "--format", "json", cwd=tmp_path)
+    colocated = json.loads(p.stdout)["plan"]["devices"][0]["processes"][0]
     # the same weights in fp32 (the compute dtype) and both policy ranks' rows sampled at once
     assert proc["detail"]["policy_weights"] == policy["detail"]["policy_weights"]
-    assert proc["detail"]["kv_cache"] == 2 * policy["detail"]["kv_cache"]
+    assert proc["detail"]["kv_cache"] == 2 * colocated["detail"]["kv_cache"] > 0
+    assert (
+        policy["detail"]["kv_cache"] == 0
+        and "rollout" not in policy["phases"]
+        or not policy["phases"]["rollout"]
+    )
 
 
 COMMON = (
@@ -193,6 +211,8 @@ def test_check_refuses_async_where_it_cannot_work(tmp_path):
         p.returncode == 2
         and "importance_sampling_clip_min 4.0 >= importance_sampling_clip_max 3.0" in p.stdout
     )
+    p = _check(tmp_path, "2x24GB", "algorithm.importance_sampling_clip_max=null")
+    assert p.returncode == 2 and "with no upper bound a completion sampled far" in p.stdout
 
 
 ASYNC = ("placement.rollout=1", "rollout.async_steps=1", "output.save_every=3")
@@ -268,3 +288,17 @@ def test_an_env_job_samples_its_turns_on_the_rollout_rank(tmp_path):
         p = run_user("train", "job.yaml", *sets(*two, f"output.dir={run}", *extra), cwd=tmp_path, timeout=400)
         assert p.returncode == 0, p.stdout + p.stderr
     assert_same_run(colocated, remote)
+
+
+@pytest.mark.slow
+def test_lora_adapters_travel_in_their_own_dtype_under_bf16(user_dir):
+    """bf16 compute: the rollout rank's base is bf16 and peft keeps the adapters in fp32 on both ends; a push
+    in the wrong dtype reads garbage (NaN loss, or every completion the same). The sampler then agrees with
+    the trainer up to bf16 rounding."""
+    lora = ("model.use_peft=true", "model.lora_r=4", "train.learning_rate=1e-2", "train.precision=bf16")
+    run = user_dir / "runs" / "bf16"
+    _train(run, user_dir, *lora, "placement.rollout=1", "train.max_steps=4")
+    rows = _metrics(run)
+    assert all(abs(m["sampling/importance_sampling_ratio/mean"] - 1) < 0.01 for m in rows)
+    assert all(m["sampling/sampling_logp_difference/max"] < 0.1 for m in rows)
+    assert all(math.isfinite(m["loss"]) for m in rows)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpufleet.config import precision
 from gpufleet.config.load import Resolved
@@ -23,7 +23,6 @@ from gpufleet.hardware import Hardware
 from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
     REWARD_MODEL_BATCH,
-    WEIGHT_BUCKET_BYTES,
     fast_decode_copies,
     logprob_scoring_bytes,
     reward_model_bytes,
@@ -39,31 +38,9 @@ from gpufleet.plan.memory import (
     with_adapter,
 )
 from gpufleet.plan.overhead import overhead_bytes
-from gpufleet.plan.shape import Models
+from gpufleet.plan.rollout import pushing, rollout_process
+from gpufleet.plan.shape import Models, adapter_parameters, lora_config
 from gpufleet.topology import Topology
-
-
-def adapter_parameters(job, arch) -> int | None:
-    """A LoRA run's adapter parameter count (None: every weight trains)."""
-    if not job.model.use_peft:
-        return None
-    from gpufleet.models.lora import trainable_parameters
-
-    return trainable_parameters(_lora_config(arch), job.model)
-
-
-def _lora_config(arch) -> dict:
-    """The config.json fields models/lora.py counts from."""
-    return {
-        "model_type": arch.model_type,
-        "hidden_size": arch.hidden_size,
-        "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-        "intermediate_size": arch.intermediate_size,
-        "num_hidden_layers": arch.num_layers,
-        "vocab_size": arch.vocab_size,
-    }
 
 
 def micro_batch(r: Resolved) -> int:
@@ -156,7 +133,7 @@ def _activations(job, pol, run: Precision, sizes: dict, cpu: bool, env: Mapping[
     from gpufleet.models.lora import adapted_width
 
     tokens = sizes["batch"] * (sizes["prompt_tokens"] + sizes["completion_tokens"])
-    width = adapted_width(_lora_config(pol.arch), job.model)
+    width = adapted_width(lora_config(pol.arch), job.model)
     return with_adapter(acts, adapter_parameters(job, pol.arch), width, tokens, run)
 
 
@@ -348,44 +325,6 @@ def scorer_process(
     )
 
 
-def rollout_process(
-    k: int, r: Resolved, hw: Hardware, topo: Topology, models: Models, parts: Parts
-) -> ProcessLoad:
-    """Dedicated rollout rank `k` of a node (rl/rollouts.py): the policy in the compute dtype
-    (config/precision.py `rollout_dtype`), the rows of the policy ranks it serves sampled at once, one weight bucket
-    being received, and the batches it sends back."""
-    job, pol = r.job, models.policy
-    t = job.train
-    served = len(range(k, len(topo.policy_devices), len(topo.rollout_devices)))
-    rows = served * t.per_device_batch * t.steps_per_generation
-    dtype = precision.rollout_dtype(job)
-    infer = Precision(dtype, dtype)
-    copies = fast_decode_copies(pol.arch, infer, wrapped=False, cpu=hw.is_cpu)
-    roll = rollout_bytes(
-        pol.arch,
-        infer,
-        sequences=rows,
-        prompt_tokens=job.rollout.max_prompt_length,
-        completion_tokens=job.completion_tokens(),
-        weight_copies=copies,
-    )
-    weights = pol.params.total * infer.weight_bytes
-    bucket = min(WEIGHT_BUCKET_BYTES, weights)
-    sent = served * parts.batch_tensors
-    detail = {"policy_weights": weights, "weight_bucket": bucket, "kv_cache": roll["kv_cache"]}
-    detail |= {"prefill": roll["prefill"], "sampling": roll["sampling"], "overhead": parts.overhead}
-    detail |= {"decoder_weight_copies": roll["decoder_weight_copies"], "batch_tensors": sent}
-    return ProcessLoad(
-        role=f"rollout rank {k}",
-        weights=weights,
-        grads=0,
-        optimizer=0,
-        other=parts.overhead + sent + bucket,
-        phases={"rollout": roll["peak"]},
-        detail=detail,
-    )
-
-
 def _devices(hw: Hardware, per_device: dict[int, list[ProcessLoad]]) -> list[DeviceLoad]:
     if hw.is_cpu:
         procs = [p for dev in sorted(per_device) for p in per_device[dev]]
@@ -404,14 +343,20 @@ def build(r: Resolved, hw: Hardware, topo: Topology, models: Models, env: Mappin
     job, t = r.job, r.job.train
     lay = layout_of(r, topo, models, hw.is_cpu)
     parts = parts_of(r, hw, models, lay, env)
+    if topo.rollout_devices:  # the rollout ranks sample: no KV cache, prefill or sampler on a policy rank
+        parts = replace(parts, roll=dict.fromkeys(parts.roll, 0))
     received = topo.policy_ranks * parts.batch_tensors // max(topo.nnodes, 1)
     per_device: dict[int, list[ProcessLoad]] = {}
     for i, dev in enumerate(topo.policy_devices):
-        per_device.setdefault(dev, []).append(policy_process(i, parts, lay))
+        load = policy_process(i, parts, lay)
+        if topo.rollout_devices:
+            load = pushing(load, r, models, lay.strategy == "fsdp")
+        per_device.setdefault(dev, []).append(load)
     for dev, roles in topo.scorer_devices:
         per_device.setdefault(dev, []).append(scorer_process(roles, parts, roles_in_use(r), received))
     for k, dev in enumerate(topo.rollout_devices):
-        per_device.setdefault(dev, []).append(rollout_process(k, r, hw, topo, models, parts))
+        load = rollout_process(k, r, hw, topo, models, parts.overhead, parts.batch_tensors, micro_batch(r))
+        per_device.setdefault(dev, []).append(load)
     return Plan(
         hardware=hw,
         models=models,

@@ -390,3 +390,26 @@ def _no_weights(field: str, path: str) -> str:
         f"{field} {path} holds no weights: counted from its config.json, but gpufleet check and train refuse "
         "the folder until they are there"
     )
+
+
+def adapter_parameters(job, arch) -> int | None:
+    """A LoRA run's adapter parameter count (None: every weight trains)."""
+    if not job.model.use_peft:
+        return None
+    from gpufleet.models.lora import trainable_parameters
+
+    return trainable_parameters(lora_config(arch), job.model)
+
+
+def lora_config(arch) -> dict:
+    """The config.json fields models/lora.py counts from."""
+    return {
+        "model_type": arch.model_type,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_layers,
+        "vocab_size": arch.vocab_size,
+    }

@@ -49,7 +49,9 @@ class RemoteRollout:
     weights_group: object | None
     """The push's group (this rank pushes), or None (another policy rank pushes for the group)."""
     dtype: torch.dtype
-    """What the rollout rank holds the policy in (a push converts to it)."""
+    """What the rollout rank holds the policy in (a full model's push travels in it)."""
+    device: torch.device = torch.device("cpu")
+    """Where a push's buckets are made (this rank's device: NCCL sends from the GPU, offloaded shards too)."""
     version: int = 0
     """Optimizer steps taken by the policy (`stepped` after each one)."""
     pushed: int = -1
@@ -96,7 +98,10 @@ def connect(rt: Runtime, job: Job) -> RemoteRollout | None:
     if not rt.rollouts or rt.role != "policy":
         return None
     return RemoteRollout(
-        *rt.rollouts[0], dtype=getattr(torch, rollout_dtype(job)), ahead=job.rollout.async_steps
+        *rt.rollouts[0],
+        dtype=getattr(torch, rollout_dtype(job)),
+        device=rt.device,
+        ahead=job.rollout.async_steps,
     )
 
 
@@ -152,12 +157,14 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
     payload = {
         "ask": ask,
         "version": remote.version,
-        "push": [n for n, _ in trainable(policy)] if push else None,
+        "push": wire(policy, remote.dtype) if push else None,
     }
     dist.gather_object(payload, None, dst=remote.rank, group=remote.group)
     if push:
         started = time.perf_counter()
-        _push(policy, remote)
+        _push(policy, remote, payload["push"])
+        if remote.device.type == "cuda":  # the broadcasts are queued: count them here, not in the next phase
+            torch.cuda.synchronize(remote.device)
         remote.sync_seconds += time.perf_counter() - started
         remote.pushed = remote.version
     remote.sent += 1
@@ -188,31 +195,43 @@ def trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def buckets(sizes: list[int], limit: int = WEIGHT_BUCKET_BYTES) -> list[range]:
-    """Consecutive index ranges of tensors of `sizes` bytes, each at most `limit` bytes (a larger tensor
-    alone); both ends of a push cut the same list the same way."""
-    out, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and total + size > limit:
-            out.append(range(start, i))
-            start, total = i, 0
-        total += size
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
+def wire(policy: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, str, int]]:
+    """What a push sends, in order: (name, dtype, elements) of each trainable parameter. A full model's
+    parameters travel in the rollout dtype; LoRA's adapters in their own (peft keeps them in fp32 on a
+    bf16 base, on both ends). Both ends cut the same buckets from this list."""
+    peft = hasattr(policy, "peft_config")
+    out = []
+    for name, p in trainable(policy):
+        travel = p.dtype if peft or not p.dtype.is_floating_point else dtype
+        out.append((name, str(travel).removeprefix("torch."), p.numel()))
     return out
 
 
-def _push(policy: torch.nn.Module, remote: RemoteRollout) -> None:
+def buckets(items: list[tuple[str, str, int]], limit: int = WEIGHT_BUCKET_BYTES) -> list[range]:
+    """Consecutive index ranges of `wire` items of one dtype each, at most `limit` bytes (a larger tensor
+    alone); both ends of a push cut the same list the same way."""
+    out, start, total = [], 0, 0
+    for i, (_, dtype, numel) in enumerate(items):
+        size = numel * getattr(torch, dtype).itemsize
+        if i > start and (total + size > limit or dtype != items[start][1]):
+            out.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(items):
+        out.append(range(start, len(items)))
+    return out
+
+
+def _push(policy: torch.nn.Module, remote: RemoteRollout, items: list[tuple[str, str, int]]) -> None:
     """Broadcast the trainable parameters bucket by bucket (gathering FSDP shards first, on every rank)."""
-    params, dtype = [p for _, p in trainable(policy)], remote.dtype
-    sizes = [p.numel() * dtype.itemsize for p in params]
+    params = [p for _, p in trainable(policy)]
     with torch.no_grad():
-        for span in buckets(sizes):
+        for span in buckets(items):
             whole = [_whole(params[i]) for i in span]  # a collective of the policy ranks under FSDP
             if remote.weights_group is None:
                 continue
-            device = whole[0].device
-            flat = _flatten_dense_tensors([t.to(device=device, dtype=dtype) for t in whole])
+            dtype = getattr(torch, items[span[0]][1])
+            flat = _flatten_dense_tensors([t.to(device=remote.device, dtype=dtype) for t in whole])
             dist.broadcast(flat, src=dist.get_rank(), group=remote.weights_group)
 
 
@@ -251,7 +270,7 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
             queue.clear()
             continue
         if asks[0]["push"] is not None:
-            _receive([params[name] for name in asks[0]["push"]], rank, weights_group)
+            _receive(params, asks[0]["push"], rank, weights_group)
         queue.append([asks, None])
         if len(queue) > ahead:  # the oldest answer goes first (sampled now if it is the new one)
             oldest = queue.popleft()
@@ -297,14 +316,17 @@ def _sampling_logprobs(model: torch.nn.Module, job: Job, sampling: Sampling, out
     )
 
 
-def _receive(params: list[torch.Tensor], rank: int, weights_group) -> None:
-    """Copy a push into `params` in place (the fast decoder's and CUDA graphs' tensors stay valid)."""
-    sizes = [p.numel() * p.element_size() for p in params]
+def _receive(params: dict[str, torch.Tensor], items: list, rank: int, weights_group) -> None:
+    """Copy a push into `params` in place (the fast decoder's and CUDA graphs' tensors stay valid): each
+    bucket into one flat buffer in the dtype it travels in, then cast into the parameters."""
     src = next(r for r in dist.get_process_group_ranks(weights_group) if r != rank)
+    device = next(iter(params.values())).device
     with torch.no_grad():
-        for span in buckets(sizes):
-            part = [params[i] for i in span]
-            flat = _flatten_dense_tensors([torch.empty_like(p) for p in part])
+        for span in buckets(items):
+            part = [params[items[i][0]] for i in span]
+            flat = torch.empty(
+                sum(items[i][2] for i in span), dtype=getattr(torch, items[span[0]][1]), device=device
+            )
             dist.broadcast(flat, src=src, group=weights_group)
             for p, value in zip(part, _unflatten_dense_tensors(flat, part), strict=True):
                 p.copy_(value)

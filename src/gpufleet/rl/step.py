@@ -155,7 +155,7 @@ def _sampler(p: Parts, batch: GenerationBatch, answer, autocast) -> dict[str, fl
     if answer.logprobs is None or not a.importance_sampling_correction:
         return stats
     old = batch.old_logprobs
-    if old is None:  # the trainer's log-probs of the samples, without dropout (LoRA's): as sampled
+    if old is None or _dropout(p.train_model):  # the trainer's log-probs without dropout (LoRA's): as sampled
         t, ro, model = p.job.train, p.job.rollout, p.train_model
         micro = t.micro_batch or t.per_device_batch
         was = model.training
@@ -177,6 +177,11 @@ def _sampler(p: Parts, batch: GenerationBatch, answer, autocast) -> dict[str, fl
     batch.sampler_weights = weights
     parts = all_gather_objects(p.rt, offpolicy.sampler_stats(old, sampling, mask, ratios))
     return stats | offpolicy.combine(parts)
+
+
+def _dropout(model: torch.nn.Module) -> bool:
+    """Whether `model` drops anything in training mode (then its training-mode log-probs are noisy)."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions: list[str]) -> None:

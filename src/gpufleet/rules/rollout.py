@@ -52,6 +52,17 @@ def sampler_correction(ctx: Context):
             "and both are null (TRL refuses it too).",
             "--set algorithm.importance_sampling_clip_max=3.0",
         )
+    if a.importance_sampling_mode.endswith("mask") and hi is None:
+        yield err(
+            [
+                ctx.ref("algorithm.importance_sampling_mode"),
+                ctx.ref("algorithm.importance_sampling_clip_max"),
+            ],
+            f"importance_sampling_mode {a.importance_sampling_mode} keeps the raw ratio inside its bounds, and "
+            "with no upper bound a completion sampled far from the trainer's policy gets an unbounded weight "
+            "(the loss becomes inf).",
+            "--set algorithm.importance_sampling_clip_max=3.0 (TRL's default)",
+        )
     sampled_elsewhere = bool(ctx.topo.rollout_devices)
     if sampled_elsewhere and a.importance_sampling_correction and ctx.job.env.name:
         yield warn(

@@ -95,8 +95,7 @@ def cache_writable(ctx: Context):
 def checkpoint_bytes(ctx: Context) -> tuple[int, int] | None:
     """(bytes of one checkpoint, bytes of the final model) estimated from the model's parameter count:
     the weights in their dtype plus AdamW's two moments per trainable weight. None when unknown."""
-    from gpufleet.plan.build import adapter_parameters
-    from gpufleet.plan.shape import arch_from_config, count_parameters
+    from gpufleet.plan.shape import adapter_parameters, arch_from_config, count_parameters
 
     if ctx.model is None:
         return None
