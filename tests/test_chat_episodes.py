@@ -4,6 +4,7 @@ tool calls run, fail softly and are answered as tool messages; check refuses wha
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -237,3 +238,58 @@ def test_two_ranks_equal_one_rank_on_a_chat_episode_job(tmp_path):
     assert worst <= 1e-5, worst
     assert [x["reward"] for x in metrics(one)] == pytest.approx([x["reward"] for x in metrics(two)], abs=1e-6)
     assert metrics(one)[-1]["env/turns_mean"] == pytest.approx(metrics(two)[-1]["env/turns_mean"])
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_is_bitwise_identical_on_a_chat_episode_job_with_a_tool(tmp_path):
+    """The agent-tools example (chat episodes, a tool): kill -9 mid-run, resume, same weights bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import console_script, process_env
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent-tools.yaml"
+    sets = ["train.max_steps=8", "output.save_every=3", "train.per_device_batch=32", "train.log_every=1"]
+
+    def argv(run):
+        return [console_script(), "train", str(example), "--set", f"output.dir={run}"] + [
+            x for s in sets for x in ("--set", s)
+        ]
+
+    def rows(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    p = subprocess.run(
+        argv(ref), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(
+        argv(run),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=process_env(),
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= 5):
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    p = subprocess.run(
+        argv(run), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0 and "resuming from" in p.stdout, p.stdout + p.stderr
+    a, b = load_file(ref / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [x["reward"] for x in rows(ref)] == [x["reward"] for x in rows(run)]
+    assert "tools/call_frequency" in rows(run)[-1]
