@@ -49,6 +49,7 @@ def test_nested_phases_are_exclusive_and_add_up(monkeypatch):
         "generate": 3.0,
         "score": 1.0,
         "env": 0.0,
+        "tools": 0.0,
         "backward": 3.0,
         "optimizer": 0.0,
         "comm": 1.0,
@@ -76,8 +77,8 @@ def test_a_phase_left_by_an_exception_is_closed(monkeypatch):
 
 
 def test_step_timings_rank0_max_and_per_rank():
-    r0 = [1.0, 0.5, 0.0, 2.0, 0.1, 0.3, 0.0, 0.1]
-    r1 = [1.5, 0.2, 0.0, 1.0, 0.1, 1.1, 0.0, 0.2]
+    r0 = [1.0, 0.5, 0.0, 0.0, 2.0, 0.1, 0.3, 0.0, 0.1]  # PHASES order: env, then tools, are 0 here
+    r1 = [1.5, 0.2, 0.0, 0.0, 1.0, 0.1, 1.1, 0.0, 0.2]
     m = step_timings([r0, r1], [4.0, 4.1])
     assert m["timing/generate"] == 1.0 and m["timing/generate/max"] == 1.5
     assert m["timing/comm/rank1"] == 1.1 and m["timing/backward/rank0"] == 2.0
