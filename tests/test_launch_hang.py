@@ -4,6 +4,7 @@ from the ranks themselves), the rank that did not arrive named with its line, an
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -129,6 +130,10 @@ def test_train_collective_timeout_shows_every_ranks_stack(tmp_path):
     assert "rank 0 failed: RuntimeError:" in p.stderr and "Timed out waiting 10000ms" in p.stderr, p.stderr
     assert f"rank 1 did not arrive: it is at {reward}:6 in hang_on_rank1: time.sleep(3600)" in p.stderr
     assert "rank 0 waits in all_gather, called at" in p.stderr
+    # while it waited, the launcher said so (from collective_timeout / 2 on) and what bounds the wait
+    assert re.search(
+        r"gpufleet: no rank has printed for \d+ s; waiting \(a collective that waits launch", p.stderr
+    )
     dump = (tmp_path / "run" / "logs" / "stacks.txt").read_text()
     assert f'File "{reward}", line 6 in hang_on_rank1' in dump and "=== rank 0" in dump
     assert gone(tmp_path / "run"), processes_of(tmp_path / "run")

@@ -39,6 +39,7 @@ class Silence:
         stacks_file: Path,
         say: Callable[[str], None] = _stderr,
         first: float = HEARTBEAT_FIRST,
+        waiting: str | None = None,
     ):
         self.logs, self.ranks, self.timeout, self.hooks = logs, ranks, timeout, hooks
         self.stacks_file, self.say = stacks_file, say
@@ -53,6 +54,8 @@ class Silence:
         self.blame: list[int] = []
         self.stacks: list[str] = []
         self.quiet = 0.0
+        self.waiting = waiting or f"launch.collective_timeout {timeout:g} s"
+        """What the heartbeat says it waits for."""
 
     def _sizes(self) -> list[int]:
         out = []
@@ -75,10 +78,7 @@ class Silence:
         if self.quiet >= self.deadline:
             return self._check()
         if self.quiet >= self.beat:
-            self.say(
-                f"gpufleet: no rank has printed for {self.quiet:.0f} s; waiting "
-                f"(launch.collective_timeout {self.timeout:g} s)"
-            )
+            self.say(f"gpufleet: no rank has printed for {self.quiet:.0f} s; waiting ({self.waiting})")
             self.beat += HEARTBEAT_EVERY
         return False
 
@@ -119,3 +119,19 @@ class Silence:
         )
         lines.append(f"  all logs: {logs}/")
         return "\n".join(lines)
+
+
+def heartbeat(logs: Path, ranks: list[int], collective_timeout: float) -> Silence:
+    """`gpufleet train`'s voice while its ranks are silent (a long step, a hang): the same lines from
+    min(60 s, collective_timeout / 2) on, once a minute; it never stops the run itself: a collective that
+    waits collective_timeout fails, and that rank shows every rank's stack (launch/worker.py)."""
+    waiting = f"a collective that waits launch.collective_timeout {collective_timeout:g} s fails, with every rank's stack"
+    return Silence(
+        logs,
+        ranks,
+        float("inf"),
+        logs,
+        logs / "stacks.txt",
+        first=min(HEARTBEAT_FIRST, collective_timeout / 2),
+        waiting=waiting,
+    )

@@ -342,6 +342,7 @@ def _in_process(job, out: Path, hw, topo, resume_from: Path | None) -> int:
 
 def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
     from gpufleet.launch.diagnose import agent_failure, first_failure, killed_rank, unexplained
+    from gpufleet.launch.stall import heartbeat
     from gpufleet.launch.torchrun import run_agent, torchrun_argv, worker_env
 
     logs = out / "logs"
@@ -353,7 +354,9 @@ def _torchrun(job, topo, job_file: Path, out: Path, hw, env) -> int:
     agent = logs / ("torchrun.log" if job.launch.nnodes == 1 else f"torchrun.node{job.launch.node_rank}.log")
     with agent.open("a", encoding="utf-8") as agent_log:
         start = agent_log.tell()
-        code = run_agent(argv, worker_env(topo.nproc_per_node, env), agent_log)
+        ranks = list(range(first, first + topo.nproc_per_node))
+        voice = heartbeat(logs, ranks, job.launch.collective_timeout)  # says so while no rank prints
+        code = run_agent(argv, worker_env(topo.nproc_per_node, env), agent_log, stop_when=voice)
     if code == 0:
         return 0
     with agent.open(encoding="utf-8", errors="replace") as f:
