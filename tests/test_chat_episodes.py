@@ -206,6 +206,10 @@ def test_check_refuses_a_template_that_re_renders_earlier_turns(tmp_path):
         (("rollout.tools=mytools.py:nodoc",), "transformers cannot describe mytools.py:nodoc"),
         (("rollout.tools=mytools.py:add", "env.format=text"), "in chat episodes only"),
         (("rollout.tools=mytools.py:gone",), "gone"),
+        (
+            ("rollout.tools=mytools.py:add,mytools.py:slow", "rollout.max_prompt_length=20"),
+            "the chat template's first prompt is 28 tokens before any observation (the tools it offers",
+        ),
     ],
 )
 def test_check_refuses_bad_tools_in_one_line(tmp_path, sets, line):

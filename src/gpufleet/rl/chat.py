@@ -34,7 +34,7 @@ class ChatFormat:
         return list(
             self.tok.apply_chat_template(
                 messages,
-                tools=self.tools or None if tools else None,
+                tools=(self.tools or None) if tools else None,
                 add_generation_prompt=generation,
                 tokenize=True,
                 return_dict=False,

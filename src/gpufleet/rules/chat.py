@@ -38,7 +38,7 @@ def chat_template_fits(ctx: Context):
     job = ctx.job
     if not job.env.name or job.env.format != "chat":
         return
-    from gpufleet.rl.chat import template_problem
+    from gpufleet.rl.chat import ChatFormat, template_problem
     from gpufleet.rl.chatturns import FIX
     from gpufleet.rl.tools import load_tools
 
@@ -50,12 +50,25 @@ def chat_template_fits(ctx: Context):
     tok = _tokenizer(job.model.path)
     if tok is None:  # a model not on this machine: the model rules say so
         return
-    why = template_problem(tok, [t.schema for t in tools], dict(job.rollout.chat_template_kwargs))
+    schemas = [t.schema for t in tools]
+    why = template_problem(tok, schemas, dict(job.rollout.chat_template_kwargs))
     if why is not None:
         yield err(
             [ctx.ref("env.format"), ctx.ref("model.path")] + ([ctx.ref("rollout.tools")] if tools else []),
             f"env.format chat: {job.model.path}'s chat template cannot lay out episodes: {why}.",
             FIX,
+        )
+        return
+    frame = len(ChatFormat(tok, schemas, dict(job.rollout.chat_template_kwargs)).first_prompt(""))
+    if frame >= job.rollout.max_prompt_length:
+        yield err(
+            [ctx.ref("rollout.max_prompt_length"), ctx.ref("env.format")]
+            + ([ctx.ref("rollout.tools")] if tools else []),
+            f"the chat template's first prompt is {frame} tokens before any observation"
+            + (" (the tools it offers included)" if tools else "")
+            + f", and rollout.max_prompt_length {job.rollout.max_prompt_length} keeps only the last ones:"
+            " the start of the prompt would be cut.",
+            f"--set rollout.max_prompt_length={frame + 256} (the frame + the first observation's tokens)",
         )
 
 
