@@ -67,7 +67,8 @@ class RemoteRollout:
     held: dict[int, Answer] = field(default_factory=dict)
     """Answers received and not yet used, by generation batch."""
     wait_seconds: float = 0.0
-    """Seconds spent waiting for answers since the last `take_wait_seconds`."""
+    """Seconds spent waiting on the rollout rank (to take a request, for an answer) since the last
+    `take_wait_seconds`."""
 
     def stepped(self) -> None:
         self.version += 1
@@ -159,7 +160,9 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
         "version": remote.version,
         "push": wire(policy, remote.dtype) if push else None,
     }
-    dist.gather_object(payload, None, dst=remote.rank, group=remote.group)
+    asked = time.perf_counter()
+    dist.gather_object(payload, None, dst=remote.rank, group=remote.group)  # waits for a busy rollout rank
+    remote.wait_seconds += time.perf_counter() - asked
     if push:
         started = time.perf_counter()
         _push(policy, remote, payload["push"])

@@ -137,7 +137,7 @@ def _request(p: Parts, gen_index: int) -> dict | None:
     _, row_pos, seeds = _layout(p, gen_index)
     prompt_ids = _prompts(p, row_pos)[0]
     ro = p.job.rollout
-    correct = p.job.algorithm.importance_sampling_correction
+    correct = p.job.algorithm.importance_sampling_correction and _sampler_differs(p.job)
     return {
         "prompt_ids": prompt_ids,
         "seeds": seeds,
@@ -145,6 +145,16 @@ def _request(p: Parts, gen_index: int) -> dict | None:
         "sampling": p.sampling,
         "logprobs": correct,
     }
+
+
+def _sampler_differs(job) -> bool:
+    """Whether a rollout rank's samples can differ from what the trainer would sample: generated ahead, or
+    in another precision. Lock-step in fp32 the rollout rank holds the trainer's weights exactly and the
+    ratio is 1 (tested): no log-prob pass on either side."""
+    from gpufleet.config import precision
+
+    fp32 = precision.compute_dtype(job) == precision.rollout_dtype(job) == "float32"
+    return job.rollout.async_steps > 0 or not fp32
 
 
 def _sampler(p: Parts, batch: GenerationBatch, answer, autocast) -> dict[str, float]:
