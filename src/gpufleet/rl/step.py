@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpufleet.dist import Runtime, all_gather_objects, all_gather_rows, all_reduce_sum
+from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
-from gpufleet.rl import offpolicy, rollouts, scorer
+from gpufleet.rl import rollouts, sampler, scorer
 from gpufleet.rl.advantages import advantages_of, unscorable
 from gpufleet.rl.batch import (
     GenerationBatch,
@@ -98,7 +98,7 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     with rt.clock.phase("score"):
         _add_logprobs(p, batch, remote, autocast)
         if answer is not None:
-            stats |= _sampler(p, batch, answer, autocast)
+            stats |= sampler.weigh(p, batch, answer, autocast)
     if episodes is not None:
         stats |= episode_stats(rt, episodes)
     # a dedicated scorer's work on this round, seen from this rank (its idle time is the rest of the step)
@@ -137,7 +137,7 @@ def _request(p: Parts, gen_index: int) -> dict | None:
     _, row_pos, seeds = _layout(p, gen_index)
     prompt_ids = _prompts(p, row_pos)[0]
     ro = p.job.rollout
-    correct = p.job.algorithm.importance_sampling_correction and _sampler_differs(p.job)
+    correct = p.job.algorithm.importance_sampling_correction and sampler.differs(p.job)
     return {
         "prompt_ids": prompt_ids,
         "seeds": seeds,
@@ -145,53 +145,6 @@ def _request(p: Parts, gen_index: int) -> dict | None:
         "sampling": p.sampling,
         "logprobs": correct,
     }
-
-
-def _sampler_differs(job) -> bool:
-    """Whether a rollout rank's samples can differ from what the trainer would sample: generated ahead, or
-    in another precision. Lock-step in fp32 the rollout rank holds the trainer's weights exactly and the
-    ratio is 1 (tested): no log-prob pass on either side."""
-    from gpufleet.config import precision
-
-    fp32 = precision.compute_dtype(job) == precision.rollout_dtype(job) == "float32"
-    return job.rollout.async_steps > 0 or not fp32
-
-
-def _sampler(p: Parts, batch: GenerationBatch, answer, autocast) -> dict[str, float]:
-    """A rollout rank's batch: its staleness, and with algorithm.importance_sampling_correction the
-    truncated importance weights against the trainer's log-probs (rl/offpolicy.py) and TRL's metrics."""
-    stats = {"rollout/staleness": float(p.remote.version - answer.version)}
-    a = p.job.algorithm
-    if answer.logprobs is None or not a.importance_sampling_correction:
-        return stats
-    old = batch.old_logprobs
-    if old is None or _dropout(p.train_model):  # the trainer's log-probs without dropout (LoRA's): as sampled
-        t, ro, model = p.job.train, p.job.rollout, p.train_model
-        micro = t.micro_batch or t.per_device_batch
-        was = model.training
-        model.eval()
-        try:
-            old = logprobs_of(model, batch, ro.temperature, micro, autocast, p.suppress_tokens, p.early)
-        finally:
-            model.train(was)
-    sampling = answer.logprobs.to(old.device)
-    mask = batch.completion_mask
-    weights, ratios = offpolicy.sampler_weights(
-        old,
-        sampling,
-        mask,
-        a.importance_sampling_mode,
-        a.importance_sampling_clip_min,
-        a.importance_sampling_clip_max,
-    )
-    batch.sampler_weights = weights
-    parts = all_gather_objects(p.rt, offpolicy.sampler_stats(old, sampling, mask, ratios))
-    return stats | offpolicy.combine(parts)
-
-
-def _dropout(model: torch.nn.Module) -> bool:
-    """Whether `model` drops anything in training mode (then its training-mode log-probs are noisy)."""
-    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions: list[str]) -> None:
