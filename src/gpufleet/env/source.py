@@ -3,7 +3,8 @@
     builtin:keys               gpufleet's own (env/builtin.py)
     gymnasium:FrozenLake-v1    a Gymnasium environment through the text adapter (env/gym.py)
     my_envs:Sokoban            the user's class (module:Class or path/to/file.py:Class), looked up
-                               like reward functions (the job's folder, the working directory, PYTHONPATH)
+                               like reward functions (the job's folder, the working directory, PYTHONPATH);
+                               a TRL environment class (reset, no step: env/trl.py) runs through TrlEnv
 
 `env.kwargs` go to the class (to `gymnasium.make` for gymnasium:). Every failure is a `UserError` on
 `env.name` / `env.kwargs` with the fix.
@@ -54,6 +55,10 @@ def factory(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = N
         name, folders, field=FIELD, what="environment", example="my_envs:Sokoban", form="Class"
     )
     _check_kwargs(name, cls, kwargs)
+    from gpufleet.env.trl import TrlEnv, is_trl_env
+
+    if is_trl_env(cls):  # TRL's environment_factory contract: env/trl.py
+        return lambda: TrlEnv(cls, kwargs)
     return lambda: cls(**kwargs)
 
 

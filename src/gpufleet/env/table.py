@@ -85,7 +85,8 @@ class Episodes:
     def step(self, eid: str, action: str) -> tuple[str, float, bool, bool, dict, int]:
         """One step -> (observation, reward, terminated, truncated, info, steps since reset)."""
         live = self._live[eid]
-        self.now = Call(self._cls, "step", eid, action_detail(action))
+        detail = getattr(live.env, "describe_action", action_detail)  # TrlEnv: its tool calls
+        self.now = Call(self._cls, "step", eid, detail(action))
         try:
             obs, reward, terminated, truncated, info = base.checked_step(live.env, action, self.name)
         except EnvError:
@@ -116,7 +117,7 @@ class Episodes:
         self.now = Call(self._cls, "__init__", eid, "" if seed is None else f"seed {seed}")
         try:
             env = self.make()
-            self._cls = type(env).__name__
+            self._cls = getattr(env, "class_name", type(env).__name__)  # TrlEnv: the user's class
             return env
         except Exception as e:
             raise EnvError(

@@ -5,7 +5,8 @@ episode has tool-calling turns left (rollout.max_tool_calling_iterations), runs 
 and is answered by `tool` messages; any other turn goes to the environment as the message's content,
 and the observation comes back as a `user` message. Either way the answer is spliced in as the bridge
 tokens the template puts between two assistant turns (mask 0): nothing already in the episode is
-rendered or tokenised again.
+rendered or tokenised again. With a TRL environment class (rl/trlenv.py) the environment runs the
+tool calls: every turn goes to it as its message, and a turn with calls is answered by `tool` messages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from gpufleet.errors import UserError
+from gpufleet.rl import trlenv
 from gpufleet.rl.chat import ChatFormat, template_problem
 from gpufleet.rl.tools import Result, Tool, load_tools, run_call
 
@@ -26,20 +28,23 @@ class ChatRun:
     tools: dict[str, Tool]
     max_calls: int  # tool-calling turns per episode
     timeout: float  # seconds per tool call
+    env_tools: bool = False  # a TRL environment class runs the tool calls (its methods; rl/trlenv.py)
 
 
 def chat_run(job, tokenizer) -> ChatRun:
     """The job's chat layout and tools; a template that cannot do it is a UserError (check says it first)."""
     ro = job.rollout
     tools = load_tools(ro.tools or [])
-    fmt = ChatFormat(tokenizer, [t.schema for t in tools], dict(ro.chat_template_kwargs))
+    cls = trlenv.env_class(job.env.name)
+    offered = trlenv.schemas(job.env.name, cls) if cls is not None else [t.schema for t in tools]
+    fmt = ChatFormat(tokenizer, offered, dict(ro.chat_template_kwargs))
     why = template_problem(tokenizer, fmt.tools, fmt.kwargs)
     if why is not None:
         raise UserError(
             f"env.format chat: {job.model.path}'s chat template: {why}.", field="env.format", fix=FIX
         )
     calls = sys.maxsize if ro.max_tool_calling_iterations is None else ro.max_tool_calling_iterations
-    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout)
+    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, env_tools=cls is not None)
 
 
 FIX = (
@@ -55,7 +60,10 @@ def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
     for e, (ids, text) in zip(live, actions, strict=True):
         message = run.fmt.parse(ids, e.prompt + e.tokens)
         wanted = message.get("tool_calls") or []
-        if wanted and run.tools and e.tool_rounds < run.max_calls:
+        if run.env_tools:  # a TRL environment: every turn is its step (env/trl.py), calls while allowed
+            calls_left = wanted if e.tool_rounds < run.max_calls else []
+            steps.append((e, ids, text, trlenv.action(str(message.get("content") or ""), calls_left)))
+        elif wanted and run.tools and e.tool_rounds < run.max_calls:
             calls.append((e, ids, text, wanted))
         else:
             steps.append((e, ids, text, str(message.get("content") or "")))
@@ -73,6 +81,6 @@ def observation_bridge(run: ChatRun, obs: str) -> list[int]:
     return run.fmt.bridge([{"role": "user", "content": obs}])
 
 
-def tool_bridge(run: ChatRun, results: list[Result]) -> list[int]:
-    """The tokens after a tool turn: its tool messages, then the next generation prompt."""
-    return run.fmt.bridge([r.message for r in results])
+def tool_bridge(run: ChatRun, messages: list[dict]) -> list[int]:
+    """The tokens after a tool turn: its `tool` messages, then the next generation prompt."""
+    return run.fmt.bridge(messages)

@@ -39,7 +39,7 @@ import torch
 
 from gpufleet.engine.rollout import Rollout, left_pad
 from gpufleet.env.connect import env_errors
-from gpufleet.rl import chatturns
+from gpufleet.rl import chatturns, trlenv
 from gpufleet.rl.batch import encode_prompt
 from gpufleet.rl.parts import sample
 
@@ -192,6 +192,10 @@ def _record(e: _Episode, ids, text, result, tok, cfg, chat, *, last_turn: bool, 
     if terminated or truncated:
         e.done, e.truncated = True, bool(truncated)
         return
+    if chat is not None and chat.env_tools:  # a TRL environment answered the turn's tool calls
+        answer = trlenv.tool_messages(obs)
+        _tools_answered(e, answer, int(info.get("tool_failures", 0)), chat, tok, last_turn, budget)
+        return
     obs_ids = tok.encode(obs, add_special_tokens=False)
     e.observed += 1
     if len(obs_ids) > cfg.max_observation_tokens:
@@ -204,10 +208,16 @@ def _record_tools(e: _Episode, ids, text, results, chat, tok, *, last_turn: bool
     """Append a turn whose tool calls ran: the action (mask 1), then the tool messages and the next
     generation prompt (mask 0) if it goes on."""
     _action(e, ids, text)
+    messages = [r.message for r in results]
+    _tools_answered(e, messages, sum(r.failed for r in results), chat, tok, last_turn, budget)
+
+
+def _tools_answered(e: _Episode, messages, failures: int, chat, tok, last_turn: bool, budget: int) -> None:
+    """Count a turn's tool calls and splice their `tool` messages and the next generation prompt."""
     e.tool_rounds += 1
-    e.tool_calls += len(results)
-    e.tool_failures += sum(r.failed for r in results)
-    _splice(e, chatturns.tool_bridge(chat, results), tok, last_turn, budget)
+    e.tool_calls += len(messages)
+    e.tool_failures += failures
+    _splice(e, chatturns.tool_bridge(chat, messages), tok, last_turn, budget)
 
 
 def _action(e: _Episode, ids, text) -> None:
@@ -256,7 +266,7 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         "cut": torch.tensor([float(e.cut) for e in eps]),
         "observed": torch.tensor([float(e.observed) for e in eps]),
     }
-    if p.job.rollout.tools:
+    if p.job.rollout.tools or (p.chat is not None and p.chat.env_tools):
         counts["tool_calls"] = torch.tensor([float(e.tool_calls) for e in eps])
         counts["tool_failures"] = torch.tensor([float(e.tool_failures) for e in eps])
     return Episodes(

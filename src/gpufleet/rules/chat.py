@@ -51,6 +51,13 @@ def chat_template_fits(ctx: Context):
     if tok is None:  # a model not on this machine: the model rules say so
         return
     schemas = [t.schema for t in tools]
+    try:  # a TRL environment class offers its methods (rl/trlenv.py; its own rules say what is wrong)
+        from gpufleet.rl import trlenv
+
+        cls = trlenv.env_class(job.env.name, usercode.roots(ctx.r.job_path))
+        schemas = trlenv.schemas(job.env.name, cls) if cls is not None else schemas
+    except UserError:
+        return
     why = template_problem(tok, schemas, dict(job.rollout.chat_template_kwargs))
     if why is not None:
         yield err(
@@ -65,7 +72,7 @@ def chat_template_fits(ctx: Context):
             [ctx.ref("rollout.max_prompt_length"), ctx.ref("env.format")]
             + ([ctx.ref("rollout.tools")] if tools else []),
             f"the chat template's first prompt is {frame} tokens before any observation"
-            + (" (the tools it offers included)" if tools else "")
+            + (" (the tools it offers included)" if schemas else "")
             + f", and rollout.max_prompt_length {job.rollout.max_prompt_length} keeps only the last ones:"
             " the start of the prompt would be cut.",
             f"--set rollout.max_prompt_length={frame + 256} (the frame + the first observation's tokens)",

@@ -1,0 +1,48 @@
+"""A TRL environment class, written for TRL 1.16's `GRPOTrainer(environment_factory=Vault)` and run by
+gpufleet unchanged (examples/agent-trl-env.yaml names it: `env.name: trl_env.py:Vault`).
+
+TRL's contract: one instance per rollout; `reset(**kwargs)` returns the text appended to the last user
+message (here the whole prompt: the vault's number); the public methods are the tools the model calls
+(their schema comes from the signature and the docstring); `get_reward()` scores the episode from the
+instance's state.
+"""
+
+import random
+
+
+class Vault:
+    def reset(self, **kwargs) -> str | None:
+        self.number = random.randint(10, 99)
+        self.unlocked = False
+        return f"{self.number}:"
+
+    def unlock(self, n: int) -> str:
+        """Unlock a vault.
+
+        Args:
+            n: The vault number.
+
+        Returns:
+            Whether it opened.
+        """
+        if n == self.number:
+            self.unlocked = True
+            return "open"
+        return "locked"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.unlocked else 0.0
+
+
+def call_shape(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """A shaping reward (gpufleet's reward.functions: text in, one float per episode): the share of the
+    right call `[unlock n=41]` the episode's first turn starts with, so that a randomly initialised model
+    finds the call's form character by character. An instruct model that knows its tool format needs none."""
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        target = f"[unlock n={prompt.strip().rstrip(':')}]"
+        n = 0
+        while n < min(len(completion), len(target)) and completion[n] == target[n]:
+            n += 1
+        out.append(n / len(target))
+    return out
