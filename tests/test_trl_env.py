@@ -270,3 +270,133 @@ def test_two_ranks_equal_one_rank_on_a_trl_env_job_on_env_servers(tmp_path):
     }
     for key in ("reward", "tools/call_frequency"):
         assert [x[key] for x in rows["one"]] == pytest.approx([x[key] for x in rows["two"]], abs=1e-6)
+
+
+# ---- TRL's dict form: a data column picks each episode's environment
+
+MULTI = '''
+
+class Counter:
+    def reset(self, target: int = 0, **kwargs) -> None:
+        self.counter, self.target = 0, target
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: Value to add to the counter.
+        """
+        self.counter += step
+        return self.counter
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+
+ENVIRONMENTS = {"vault": Vault, "counter": Counter}
+'''
+ROWS = [
+    {"prompt": "open", "environment": "vault"},
+    {"prompt": [{"role": "user", "content": "count to 3"}], "environment": "counter", "target": 3},
+]
+
+
+def _multi_job(tmp_path, rows=ROWS):
+    from gpufleet.config.schema import Job
+
+    (tmp_path / "envs.py").write_text(ENV + MULTI)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Job.model_validate(
+        {
+            "env": {
+                "name": f"{tmp_path}/envs.py:ENVIRONMENTS",
+                "format": "chat",
+                "servers": 0,
+                "max_turns": 3,
+            },
+            "data": {"path": str(tmp_path / "data.jsonl")},
+            "rollout": {"max_prompt_length": 48},
+            "output": {"dir": str(tmp_path / "run")},
+        }
+    )
+
+
+def test_dict_form_a_data_column_picks_the_environment_and_its_tools(tmp_path, monkeypatch):
+    """Each episode gets its row's environment, only that environment's tools, the row's prompt with
+    reset()'s text appended, and the row's other columns as reset(**row) (the counter's target)."""
+    from gpufleet.rl.episodes import play
+    from gpufleet.rl.parts import build
+
+    def script(turn, prompt):
+        if "count to 3" in prompt:
+            return ["[increment step=1]<eos>", "[increment step=2]<eos>", "done<eos>"][turn]
+        return [f"[unlock n={_number(prompt.replace('open', 'U:'))}]<eos>", "done<eos>", "x"][turn]
+
+    _scripted(monkeypatch, script)
+    p = build(_multi_job(tmp_path))
+    e = play(p, [0, 1, 2, 3], [0, 0, 1, 1], [0, 1, 2, 3], gen_index=0)
+    tok = p.tokenizer
+    prompts = [
+        tok.decode(e.rollout.prompt_ids[i][e.rollout.prompt_mask[i].bool()].tolist()) for i in range(4)
+    ]
+    assert sorted({x.split("\n")[0] for x in prompts}) == ["tools: increment(step)", "tools: unlock(n)"]
+    for i, text in enumerate(prompts):
+        if "increment" in text:
+            assert text == "tools: increment(step)\nU:count to 3\nA:"  # reset returned None
+            assert e.segments[i][1][0] == "T:1\nA:" and e.segments[i][3][0] == "T:3\nA:"
+        else:
+            assert re.fullmatch(r"tools: unlock\(n\)\nU:open\d\d:\nA:", text)
+    assert e.env_rewards.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_dict_form_episodes_replay_with_their_row_on_a_restarted_server(tmp_path):
+    from gpufleet.env.client import EnvPool, LocalPool
+    from gpufleet.env.servers import EnvServers
+    from gpufleet.env.source import factory
+    from gpufleet.env.trl import message
+
+    (tmp_path / "envs.py").write_text(ENV + MULTI)
+    name = f"{tmp_path}/envs.py:ENVIRONMENTS"
+    items = [(f"c{i}", i, {"environment": "counter", "row": {"target": 2}}) for i in range(4)]
+    step = [{"type": "function", "function": {"name": "increment", "arguments": {"step": 1}}}]
+
+    def run(pool, between=lambda: None):
+        out = [pool.reset(items)]
+        for _ in range(2):
+            out.append(pool.step([(eid, message("", step)) for eid, *_ in items]))
+            between()
+        return out + [pool.step([(eid, message("done", [])) for eid, *_ in items])]
+
+    local = run(LocalPool(factory(name, {}), name))
+    assert [r[1] for r in local[-1]] == [0.0] * 4 and sum(r[1] for t in local[1:] for r in t) == 4.0
+    with EnvServers(name, {}, [str(tmp_path)], 1, tmp_path / "run") as servers:
+        servers.start()
+        pool = EnvPool.from_file(servers.servers_json, retry_for=60.0)
+        killed = []
+
+        def kill():
+            if not killed:
+                killed.append(servers.pids()[0])
+                os.kill(killed[0], signal.SIGKILL)
+
+        assert run(pool, kill) == local
+        assert servers.restarts == 1 and pool.stats["replays"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("data", "line"),
+    [
+        (None, "picks each episode's environment by its data row's 'environment' column"),
+        ([{"prompt": "a", "environment": "vault"}, {"prompt": "b", "environment": "gym"}], "row 2 of"),
+    ],
+)
+def test_check_refuses_a_dict_form_without_its_routing_column(tmp_path, data, line):
+    (tmp_path / "envs.py").write_text(ENV + MULTI)
+    job = JOB.replace("trl_env.py:Vault", "envs.py:ENVIRONMENTS")
+    if data is not None:
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        job += "data: {path: data.jsonl}\n"
+    (tmp_path / "job.yaml").write_text(job)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path, timeout=120)
+    assert p.returncode == 2 and line in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr

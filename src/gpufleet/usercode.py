@@ -151,10 +151,11 @@ def import_object(
     example: str = "my_rewards:accuracy",
     form: str = "function",
     timeout: float | None = None,
+    dicts: bool = False,
 ) -> Callable:
-    """The callable `name` (`module:Name` or `file.py:Name`) points at; every failure is one
-    `RewardImportError` on `field` that calls the object `what`; an import running past `timeout`
-    seconds is one too (see gpufleet.watchdog)."""
+    """The callable `name` (`module:Name` or `file.py:Name`) points at (or a dict, with `dicts`: TRL's
+    dict form of environment_factory); every failure is one `RewardImportError` on `field` that calls
+    the object `what`; an import running past `timeout` seconds is one too (see gpufleet.watchdog)."""
     err = _errors(name, field, what, form)
     module_name, attr = split(name)
     if not module_name or not attr or not attr.isidentifier():
@@ -191,7 +192,7 @@ def import_object(
             else f"check the name: module:{form} names a {form} defined in that module",
         )
     fn = getattr(module, attr)
-    if not callable(fn):
+    if not callable(fn) and not (dicts and isinstance(fn, dict)):
         raise err(
             f"{attr!r} in {where} is not {'a function' if form == 'function' else 'callable'} (it is of type {type(fn).__name__})",
             f"name a {what}",

@@ -18,8 +18,12 @@ class EnvSection(Section):
     """The environment: `builtin:keys`, `gymnasium:<id>` (a Gymnasium env with a discrete action space,
     e.g. `gymnasium:FrozenLake-v1`, through a text adapter), or your class as `module:Class` /
     `path/to/file.py:Class` with `reset(seed=) -> (observation, info)` and `step(action) -> (observation,
-    reward, terminated, truncated, info)` over text. Each episode's reset seed comes from train.seed and
-    its group; the G episodes of a group share it. With an env, `data` is not read. An `info` may say
+    reward, terminated, truncated, info)` over text; or a TRL environment class (TRL 1.16's
+    environment_factory: a `reset` method and no `step`; its methods are its tools; env.format chat) or a
+    dict of them by name (`file.py:DICT`; each data row's `environment` column picks one). Each episode's
+    reset seed comes from train.seed and its group; the G episodes of a group share it. With an env,
+    `data` is not read, except by a TRL environment class (a file or hub dataset: TRL's
+    train_dataset, its rows reset's keyword arguments). An `info` may say
     `success` (bool): the metric env/success_rate is the share of a generation batch's episodes whose
     last `success` was True -- an episode that ends without saying is no success -- and is NaN until
     some info of the run has had the key (an env that never says has no rate, not 0)."""

@@ -82,7 +82,11 @@ OPTIONS: dict[str, TrlOption] = {
         "LoRA through peft; its settings are model.lora_r, lora_alpha, lora_dropout, lora_target_modules",
         None,
     ),
-    "environment_factory": _at("env.name", "multi-turn rollouts are the env: section", None),
+    "environment_factory": _at(
+        "env.name",
+        "the class (or a dict of them) as module:Class / file.py:Class / file.py:DICT, with env.format: chat",
+        None,
+    ),
     "tools": _at("rollout.tools", "module:function or file.py:function, in an env job with env.format: chat"),
     "max_tool_calling_iterations": _at("rollout.max_tool_calling_iterations"),
     "chat_template_kwargs": _at("rollout.chat_template_kwargs"),

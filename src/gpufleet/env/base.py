@@ -33,8 +33,9 @@ class EnvError(Exception):
     """The environment raised or returned something that is not the text API (a bug in the env)."""
 
 
-def checked_reset(env: Any, seed: int, name: str) -> tuple[str, dict]:
-    out = _call(env.reset, name, "reset", seed=seed)
+def checked_reset(env: Any, seed: int, name: str, options: dict | None = None) -> tuple[str, dict]:
+    """`env.reset(seed=seed)`, or with `options=` (Gymnasium's reset options) when some are given."""
+    out = _call(env.reset, name, "reset", seed=seed, **({} if options is None else {"options": options}))
     if not (isinstance(out, tuple) and len(out) == 2):
         raise EnvError(f"{name}: reset(seed=...) returned {_short(out)}; it must return (observation, info)")
     return _text(out[0], name, "reset"), _info(out[1], name, "reset")

@@ -1,6 +1,7 @@
 """The trainer's side of the environment servers: `EnvPool` (HTTP); `LocalPool` (in process, table.py).
 
     pool.reset([(id, seed), ...])   -> [(observation, info), ...]                              in input order
+                                    (or (id, seed, options): Gymnasium's reset options, a JSON object)
     pool.step([(id, action), ...])  -> [(observation, reward, terminated, truncated, info), ...]
     pool.close([id, ...])
 
@@ -56,6 +57,7 @@ class _Down(Exception):
 class _Episode:
     seed: int
     server: int
+    options: dict | None = None  # reset(seed=, options=), replayed with the seed
     actions: list[str] = field(default_factory=list)
     results: list[tuple] = field(default_factory=list)  # (obs,) of reset, then (obs, reward, term, trunc)
     stale: bool = False  # the server's copy may differ from this record: replay before the next use
@@ -109,20 +111,23 @@ class EnvPool:
         addresses, token = read_servers_json(Path(servers_json), only)
         return cls(addresses, token, labels=only, **kw)
 
-    def reset(self, items: list[tuple[str, int]]) -> list[tuple[str, dict]]:
-        """Start (or restart) episodes: (id, seed) -> (observation, info), in input order."""
-        check_distinct([i for i, _ in items])
-        for eid, seed in items:
+    def reset(self, items: list[tuple]) -> list[tuple[str, dict]]:
+        """Start (or restart) episodes: (id, seed) or (id, seed, options) -> (observation, info), in
+        input order."""
+        check_distinct([item[0] for item in items])
+        for eid, seed, *_ in items:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"episode {eid!r}: seed must be an int, got {seed!r}")
         with self._lock:
-            for eid, seed in items:
+            body = []
+            for eid, seed, *options in items:
                 old = self._episodes.get(eid)
                 server = old.server if old else self._least_loaded()
                 if not old:
                     self._load[server] += 1
-                self._episodes[eid] = _Episode(seed, server, stale=True)
-            out = self._call("/reset", [{"id": eid, "seed": seed} for eid, seed in items], self._reset_done)
+                self._episodes[eid] = ep = _Episode(seed, server, options[0] if options else None, stale=True)
+                body.append(_reset_item(eid, ep))
+            out = self._call("/reset", body, self._reset_done)
             return [(r["observation"], r["info"]) for r in out]
 
     def step(self, items: list[tuple[str, str]]) -> list[tuple[str, float, bool, bool, dict]]:
@@ -271,7 +276,7 @@ class EnvPool:
         if not ids:
             return
         eps = {eid: self._episodes[eid] for eid in ids}
-        rounds = [[{"id": eid, "seed": ep.seed} for eid, ep in eps.items()]]
+        rounds = [[_reset_item(eid, ep) for eid, ep in eps.items()]]
         for k in range(max(len(ep.actions) for ep in eps.values())):
             rounds.append(
                 [{"id": eid, "action": ep.actions[k]} for eid, ep in eps.items() if len(ep.actions) > k]
@@ -384,3 +389,8 @@ class _Busy:
 
 def _step_key(result: dict) -> tuple:
     return (result["observation"], result["reward"], result["terminated"], result["truncated"])
+
+
+def _reset_item(eid: str, ep: _Episode) -> dict:
+    """A /reset item: the id, the seed, and the options when the episode has some."""
+    return {"id": eid, "seed": ep.seed} | ({} if ep.options is None else {"options": ep.options})

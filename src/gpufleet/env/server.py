@@ -81,8 +81,11 @@ def parse_batch(body: Any, kind: str) -> list[dict]:
     seen: set[str] = set()
     for k, item in enumerate(items):
         at = f"episodes[{k}]"
-        if not isinstance(item, dict) or set(item) != {"id", value}:
+        optional = {"options"} if kind == "reset" else set()  # Gymnasium's reset(seed=, options=)
+        if not isinstance(item, dict) or not {"id", value} <= set(item) <= {"id", value} | optional:
             raise BadRequest(f'{at} must be {{"id": <str>, "{value}": ...}}, got {_short(item)}')
+        if not isinstance(item.get("options", {}), dict):
+            raise BadRequest(f"{at}.options must be an object, got {_short(item['options'])}")
         _check_id(item["id"], f"{at}.id", seen)
         if kind == "reset" and not _is_seed(item["seed"]):
             raise BadRequest(f"{at}.seed must be an integer in [-2**63, 2**64), got {_short(item['seed'])}")
@@ -147,7 +150,7 @@ def make_app(table: Episodes, token: str, max_body: int = MAX_BODY, timeout: flo
         def job() -> list[dict]:
             results = []
             for item in items:
-                obs, info = table.reset(item["id"], item["seed"])
+                obs, info = table.reset(item["id"], item["seed"], item.get("options"))
                 results.append({"id": item["id"], "observation": obs, "info": info})
             return results
 

@@ -50,14 +50,21 @@ def factory(name: str, kwargs: dict[str, Any], folders: Sequence[str] | None = N
 
         return lambda: GymTextEnv(env_id, **kwargs)
     from gpufleet import usercode
+    from gpufleet.env.trl import TrlEnv, classes, is_trl_env, is_trl_envs
 
     cls = usercode.import_object(
-        name, folders, field=FIELD, what="environment", example="my_envs:Sokoban", form="Class"
+        name, folders, field=FIELD, what="environment", example="my_envs:Sokoban", form="Class", dicts=True
     )
-    _check_kwargs(name, cls, kwargs)
-    from gpufleet.env.trl import TrlEnv, is_trl_env
-
-    if is_trl_env(cls):  # TRL's environment_factory contract: env/trl.py
+    if isinstance(cls, dict) and not is_trl_envs(cls):
+        raise UserError(
+            f"env.name {name} is a dict, but not of TRL environment classes by name.",
+            field=FIELD,
+            fix="name a class, or a dict {name: Class} whose classes have a reset method and no step "
+            "(TRL's dict form of environment_factory)",
+        )
+    for one in classes(cls).values():
+        _check_kwargs(name, one, kwargs)
+    if is_trl_env(cls) or isinstance(cls, dict):  # TRL's environment_factory contract: env/trl.py
         return lambda: TrlEnv(cls, kwargs)
     return lambda: cls(**kwargs)
 

@@ -52,14 +52,14 @@ class Episodes:
         """Make one environment now (kept for the first reset): constructor errors surface at start."""
         self._spare = self._spare or self._new()
 
-    def reset(self, eid: str, seed: int) -> tuple[str, dict]:
+    def reset(self, eid: str, seed: int, options: dict | None = None) -> tuple[str, dict]:
         old = self._live.pop(eid, None)
         if old is not None:
             _close(old.env)
         env = self._new(eid, seed)
         self.now = Call(self._cls, "reset", eid, f"seed {seed}")
         try:
-            obs, info = base.checked_reset(env, seed, self.name)
+            obs, info = base.checked_reset(env, seed, self.name, options)
         except EnvError:
             _close(env)
             raise
@@ -156,10 +156,11 @@ class LocalPool:
         self._table = Episodes(make, name)
         self._runner = Runner(self._table)
 
-    def reset(self, items: list[tuple[str, int]]) -> list[tuple[str, dict]]:
-        check_distinct([i for i, _ in items])
+    def reset(self, items: list[tuple]) -> list[tuple[str, dict]]:
+        """(id, seed) or (id, seed, options) -> (observation, info), in input order."""
+        check_distinct([item[0] for item in items])
         self.stats["requests"] += 1
-        job = lambda: [self._table.reset(eid, seed) for eid, seed in items]  # noqa: E731
+        job = lambda: [self._table.reset(*item) for item in items]  # noqa: E731
         return self._runner.run(job, self.reset_timeout, self.say)
 
     def step(self, items: list[tuple[str, str]]) -> list[tuple[str, float, bool, bool, dict]]:

@@ -6,12 +6,16 @@ not `get_reward`, no leading `_`: TRL's `inspect.getmembers(type(env), inspect.i
 tools the policy calls; an optional `get_reward()` (sync or async) scores the episode.
 
 THE RULE (`is_trl_env`): a class with a `reset` function and no `step` attribute is a TRL environment;
-a class with `step` is a Gymnasium-style text environment (env/base.py).
+a class with `step` is a Gymnasium-style text environment (env/base.py). A dict of such classes by name
+(`{"coding": CodingEnv, "game": GameEnv}`) is TRL's dict form: each episode's data row names its
+environment in the column `environment` (`is_trl_envs`).
 
 `TrlEnv` wraps one instance in gpufleet's text API, so env servers, LocalPool, their supervision,
 replay after a crash and env.reset_timeout / env.step_timeout apply as to any environment:
 
-    reset(seed=)    the class's reset() (no arguments); the observation is its text ("" for None)
+    reset(seed=, options=)  the class's reset(**row): `options` {"row": the episode's data row, minus
+                    `environment`; "environment": its name (dict form)}; no options: reset() with no
+                    arguments. The observation is its text ("" for None)
     step(action)    `action` is the policy's assistant message as JSON: {"content": str, "tool_calls":
                     [{"type": "function", "function": {"name", "arguments"}}, ...]}. With tool calls:
                     each runs on the instance (an exception, an unknown name or bad arguments becomes
@@ -46,6 +50,24 @@ def is_trl_env(obj: Any) -> bool:
     return (
         inspect.isclass(obj) and inspect.isfunction(getattr(obj, "reset", None)) and not hasattr(obj, "step")
     )
+
+
+def is_trl_envs(obj: Any) -> bool:
+    """TRL's dict form: a non-empty dict of TRL environment classes by name."""
+    return (
+        isinstance(obj, dict)
+        and bool(obj)
+        and all(isinstance(k, str) and is_trl_env(v) for k, v in obj.items())
+    )
+
+
+def classes(obj: Any) -> dict[str | None, type]:
+    """{name: class} of a TRL environment class ({None: it}, as TRL normalises) or of the dict form."""
+    return dict(obj) if isinstance(obj, dict) else {None: obj}
+
+
+COLUMN = "environment"
+"""The data column that names an episode's environment (TRL's field), with the dict form."""
 
 
 def tool_names(cls: type) -> list[str]:
@@ -88,19 +110,36 @@ class TrlEnv:
 
     instructions = ""
 
-    def __init__(self, cls: type, kwargs: dict[str, Any]):
-        self.class_name = cls.__name__  # what heartbeats and errors call it (env/table.py)
-        self.env = cls(**kwargs)
-        self.tools = {name: getattr(self.env, name) for name in tool_names(cls)}
-        self._scores = callable(getattr(self.env, "get_reward", None))
+    def __init__(self, envs: type | dict[str, type], kwargs: dict[str, Any]):
+        self._classes, self._kwargs = classes(envs), dict(kwargs)
+        self.env: Any = None
+        if None in self._classes:  # one class: made now (its constructor's errors show at start)
+            self._make(self._classes[None])
+        else:  # the dict form: made at reset, once the episode's row names it
+            self.class_name = "/".join(c.__name__ for c in self._classes.values())
         self._last = 0.0
         self._state: tuple = ()
 
+    def _make(self, cls: type) -> None:
+        self.class_name = cls.__name__  # what heartbeats and errors call it (env/table.py)
+        self.env = cls(**self._kwargs)
+        self.tools = {name: getattr(self.env, name) for name in tool_names(cls)}
+        self._scores = callable(getattr(self.env, "get_reward", None))
+
     def reset(self, *, seed: int, options: Any = None) -> tuple[str, dict]:
+        options = options or {}
+        if None not in self._classes:
+            name = options.get(COLUMN, next(iter(self._classes)) if not options else None)  # check: the 1st
+            if name not in self._classes:
+                raise ValueError(
+                    f"Example has `environment={name!r}`, which is not among the environments passed to "
+                    f"`environment_factory`. Expected one of: {list(self._classes)}."
+                )
+            self._make(self._classes[name])
         rng = random.Random(seed)
         self._state = (rng.getstate(), _numpy_state(seed))
         self._last = 0.0
-        text = self._seeded(self.env.reset)
+        text = self._seeded(self.env.reset, **dict(options.get("row") or {}))
         if text is not None and not isinstance(text, str):
             raise TypeError(f"reset() returned {type(text).__name__}; TRL's contract is None or str")
         return text or "", {}
@@ -133,7 +172,7 @@ class TrlEnv:
         return f"answer {content if len(content) <= 40 else content[:37] + '...'!r}"
 
     def close(self) -> None:
-        close = getattr(self.env, "close", None)
+        close = getattr(self.env, "close", None) if self.env is not None else None
         if callable(close):
             close()
 

@@ -30,11 +30,15 @@ class ChatFormat:
     def __init__(self, tokenizer, tools: Sequence[dict] = (), kwargs: dict[str, Any] | None = None):
         self.tok, self.tools, self.kwargs = tokenizer, list(tools), dict(kwargs or {})
 
-    def render(self, messages: list[dict], *, generation: bool = False, tools: bool = False) -> list[int]:
+    def render(
+        self, messages: list[dict], *, generation: bool = False, tools: bool | list[dict] = False
+    ) -> list[int]:
+        """`tools`: True offers this format's tools, a list those (a TRL environment's, per episode)."""
+        offered = tools if isinstance(tools, list) else self.tools if tools else []
         return list(
             self.tok.apply_chat_template(
                 messages,
-                tools=(self.tools or None) if tools else None,
+                tools=offered or None,
                 add_generation_prompt=generation,
                 tokenize=True,
                 return_dict=False,
@@ -42,9 +46,11 @@ class ChatFormat:
             )
         )
 
-    def first_prompt(self, text: str) -> list[int]:
-        """The episode's prompt: the first observation as a user message, tools offered, generation prompt."""
-        return self.render([{"role": "user", "content": text}], generation=True, tools=True)
+    def first_prompt(self, text: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The episode's prompt: the first observation as a user message (or these messages: a data row's
+        chat prompt), the tools offered (this format's, or `tools`), the generation prompt."""
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        return self.render(messages, generation=True, tools=True if tools is None else tools)
 
     def bridge(self, messages: list[dict]) -> list[int]:
         """The tokens between an action and the next: the end of the assistant turn, `messages` (user or

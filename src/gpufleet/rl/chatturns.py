@@ -28,15 +28,15 @@ class ChatRun:
     tools: dict[str, Tool]
     max_calls: int  # tool-calling turns per episode
     timeout: float  # seconds per tool call
-    env_tools: bool = False  # a TRL environment class runs the tool calls (its methods; rl/trlenv.py)
+    trl: trlenv.TrlRun | None = None  # a TRL environment class runs the tool calls (rl/trlenv.py)
 
 
 def chat_run(job, tokenizer) -> ChatRun:
     """The job's chat layout and tools; a template that cannot do it is a UserError (check says it first)."""
     ro = job.rollout
     tools = load_tools(ro.tools or [])
-    cls = trlenv.env_class(job.env.name)
-    offered = trlenv.schemas(job.env.name, cls) if cls is not None else [t.schema for t in tools]
+    trl = trlenv.trl_run(job)
+    offered = trl.offered if trl is not None else [t.schema for t in tools]
     fmt = ChatFormat(tokenizer, offered, dict(ro.chat_template_kwargs))
     why = template_problem(tokenizer, fmt.tools, fmt.kwargs)
     if why is not None:
@@ -44,7 +44,7 @@ def chat_run(job, tokenizer) -> ChatRun:
             f"env.format chat: {job.model.path}'s chat template: {why}.", field="env.format", fix=FIX
         )
     calls = sys.maxsize if ro.max_tool_calling_iterations is None else ro.max_tool_calling_iterations
-    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, env_tools=cls is not None)
+    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, trl=trl)
 
 
 FIX = (
@@ -60,7 +60,7 @@ def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
     for e, (ids, text) in zip(live, actions, strict=True):
         message = run.fmt.parse(ids, e.prompt + e.tokens)
         wanted = message.get("tool_calls") or []
-        if run.env_tools:  # a TRL environment: every turn is its step (env/trl.py), calls while allowed
+        if run.trl is not None:  # a TRL environment: every turn is its step (env/trl.py), calls while allowed
             calls_left = wanted if e.tool_rounds < run.max_calls else []
             steps.append((e, ids, text, trlenv.action(str(message.get("content") or ""), calls_left)))
         elif wanted and run.tools and e.tool_rounds < run.max_calls:

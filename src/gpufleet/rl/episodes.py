@@ -109,14 +109,19 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
         _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
         for j, pos, s in zip(rows, row_pos, sample_seeds, strict=True)
     ]
+    trl = chat.trl if chat is not None else None  # a TRL environment class: its data row, its tools
     with p.rt.clock.phase("env"):
-        first = p.env.reset([(e.id, e.seed) for e in eps])
+        first = p.env.reset(
+            [(e.id, e.seed, *(trl.options(pos) if trl else ())) for e, pos in zip(eps, row_pos, strict=True)]
+        )
     prompts = []
-    for e, (obs, info) in zip(eps, first, strict=True):
+    for e, pos, (obs, info) in zip(eps, row_pos, first, strict=True):
         text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
         name = f"the first observation of episode {e.id}"
         if chat is not None:  # rendered once; like any prompt, its last max_prompt_length tokens
-            e.prompt = chat.fmt.first_prompt(text)[-p.job.rollout.max_prompt_length :]
+            said, text = trl.first(pos, text) if trl else (text, text)
+            e.prompt = chat.fmt.first_prompt(said, trl.tools(pos) if trl else None)
+            e.prompt = e.prompt[-p.job.rollout.max_prompt_length :]
         else:
             e.prompt = encode_prompt(tok, text, p.job.rollout.max_prompt_length, name) or [tok.eos_token_id]
         prompts.append(text)
@@ -192,7 +197,7 @@ def _record(e: _Episode, ids, text, result, tok, cfg, chat, *, last_turn: bool, 
     if terminated or truncated:
         e.done, e.truncated = True, bool(truncated)
         return
-    if chat is not None and chat.env_tools:  # a TRL environment answered the turn's tool calls
+    if chat is not None and chat.trl is not None:  # a TRL environment answered the turn's tool calls
         answer = trlenv.tool_messages(obs)
         _tools_answered(e, answer, int(info.get("tool_failures", 0)), chat, tok, last_turn, budget)
         return
@@ -266,7 +271,7 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         "cut": torch.tensor([float(e.cut) for e in eps]),
         "observed": torch.tensor([float(e.observed) for e in eps]),
     }
-    if p.job.rollout.tools or (p.chat is not None and p.chat.env_tools):
+    if p.job.rollout.tools or (p.chat is not None and p.chat.trl is not None):
         counts["tool_calls"] = torch.tensor([float(e.tool_calls) for e in eps])
         counts["tool_failures"] = torch.tensor([float(e.tool_failures) for e in eps])
     return Episodes(

@@ -54,8 +54,8 @@ def chat_template_fits(ctx: Context):
     try:  # a TRL environment class offers its methods (rl/trlenv.py; its own rules say what is wrong)
         from gpufleet.rl import trlenv
 
-        cls = trlenv.env_class(job.env.name, usercode.roots(ctx.r.job_path))
-        schemas = trlenv.schemas(job.env.name, cls) if cls is not None else schemas
+        envs = trlenv.env_classes(job.env.name, usercode.roots(ctx.r.job_path))
+        schemas = trlenv.TrlRun(trlenv.schemas(job.env.name, envs)).offered if envs else schemas
     except UserError:
         return
     why = template_problem(tok, schemas, dict(job.rollout.chat_template_kwargs))

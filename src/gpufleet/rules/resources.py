@@ -196,12 +196,19 @@ def _reward_columns(ctx: Context) -> list[str] | None:
 # ------------------------------------------------------------------------------------------- data
 
 
+def _trl_data(ctx: Context) -> bool:
+    """Whether an env job reads data.path: a TRL environment class's rows (rl/trlenv.py)."""
+    from gpufleet.rules.trlenv import trl_envs
+
+    return not ctx.job.data.path.startswith("builtin:") and trl_envs(ctx) is not None
+
+
 @rule
 def data_available(ctx: Context):
     from gpufleet import tasks
 
     data = ctx.job.data
-    if ctx.job.env.name:  # the environments give the prompts
+    if ctx.job.env.name and not _trl_data(ctx):  # the environments give the prompts
         return
     if data.path.startswith("builtin:"):
         name = data.path[len("builtin:") :]
@@ -233,7 +240,8 @@ def data_available(ctx: Context):
         refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
         yield err(refs, e.why, e.fix)
         return
-    yield from _chat_needs_template(ctx, found.first_chat)
+    if not ctx.job.env.name:  # a TRL environment's rows: chat episodes, their template is chat.py's rule
+        yield from _chat_needs_template(ctx, found.first_chat)
     if not found.complete:
         yield warn(
             [ctx.ref("data.path")],
