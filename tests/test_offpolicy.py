@@ -68,3 +68,38 @@ def test_the_weights_multiply_the_policy_term_only():
     kl = stats["kl"] * 5  # the masked sum of the KL (k3 of 0.3)
     assert plain.item() == pytest.approx((-3 + 2 + 0.1 * kl) / 5)
     assert loss.item() == pytest.approx((-6 + 0.1 * kl) / 5)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_weights_formed_in_the_loss_per_micro_batch_are_the_whole_batch_s(mode):
+    """A rollout rank's batch used once: no log-prob pass of its own (`weigh` defers), the weights formed
+    from each micro-batch's training forward (rl/sampler.py `in_loss`) are the whole batch's, and the
+    micro-batches' metrics combine to the whole batch's."""
+    from types import SimpleNamespace
+
+    from gpufleet.rl import sampler
+    from gpufleet.rl.batch import GenerationBatch
+
+    algo = SimpleNamespace(
+        importance_sampling_correction=True,
+        importance_sampling_mode=mode,
+        importance_sampling_clip_min=0.5,
+        importance_sampling_clip_max=1.5,
+    )
+    rt = SimpleNamespace(distributed=False, policy_size=1)
+    unusable = torch.nn.Sequential()  # a forward of it would fail: no pass may run
+    p = SimpleNamespace(job=SimpleNamespace(algorithm=algo), rt=rt, train_model=unusable)
+    p.remote = SimpleNamespace(version=3)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    batch = GenerationBatch(ids, ids, MASK.float(), torch.zeros(2), None, None, 1)
+    answer = SimpleNamespace(logprobs=SAMPLING, version=2)
+    assert sampler.weigh(p, batch, answer, None) == {"rollout/staleness": 1.0}
+    assert batch.sampler_weights is None and torch.equal(batch.sampling_logprobs, SAMPLING)
+    whole, ratios = sampler_weights(OLD, SAMPLING, MASK, mode, 0.5, 1.5)
+    shares = []
+    for i, mb in enumerate(batch.split(1)):
+        logp = OLD[i : i + 1].clone().requires_grad_(True)  # the training forward's log-probs
+        shares.append(sampler.in_loss(p, logp, mb))
+        torch.testing.assert_close(mb.sampler_weights, whole[i : i + 1])
+        assert not mb.sampler_weights.requires_grad
+    assert sampler.metrics(rt, shares) == pytest.approx(combine([sampler_stats(OLD, SAMPLING, MASK, ratios)]))

@@ -34,6 +34,9 @@ class GenerationBatch:
     sampler_weights: torch.Tensor | None = None
     """(N, T) truncated importance weights pi_trainer / pi_sampler of a rollout rank's samples
     (rl/offpolicy.py), or None: sampled by the policy itself."""
+    sampling_logprobs: torch.Tensor | None = None
+    """(N, T) a rollout rank's sampling log-probs whose weights the optimizer step forms from the training
+    forward's log-probs (a batch used once: rl/sampler.py `in_loss`), or None."""
 
     def rows(self, start: int, stop: int) -> GenerationBatch:
         out = {}

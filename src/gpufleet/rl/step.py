@@ -271,6 +271,7 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     with rt.clock.phase("optimizer"):
         grad_norm = _clip_gradients(p)
         opt.step()
+    shares = totals.pop("_sampler", None)  # the IS weights' metrics, formed in the loss (rl/sampler.py)
     # Metrics: each micro-batch's share was taken of the global count, so a sum over ranks is the mean.
     for key in sorted(k for k in totals if k != "loss"):  # the same keys, in the same order, on every rank
         totals[key] = float(all_reduce_sum(rt, totals[key]))
@@ -282,6 +283,8 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
         p.entropy.update(trained_entropy)
         totals["entropy_coef"] = p.entropy.coef
     totals["grad_norm"] = float(grad_norm)
+    if shares is not None:
+        totals |= sampler.metrics(rt, shares)
     return totals
 
 
@@ -341,6 +344,8 @@ def _accumulate(
     with no_sync(p.train_model, sync), autocast():
         logp, entropy = _forward(p, mb)
         logp, entropy = logp.float(), entropy.float()
+        if mb.sampling_logprobs is not None:  # a rollout rank's batch used once: its IS weights from logp
+            totals.setdefault("_sampler", []).append(sampler.in_loss(p, logp, mb))
         trained = (
             None if gate.threshold is None else high_entropy_mask(entropy, mb.completion_mask, gate.threshold)
         )
