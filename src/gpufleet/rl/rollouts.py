@@ -3,9 +3,9 @@
 A rollout rank holds a copy of the policy (in the compute dtype, config/precision.py `rollout_dtype`;
 LoRA: the base and its adapters) and answers the policy ranks it serves (dist.py `_rollout_groups`), as a
 scorer rank does with the arrows reversed: each policy rank sends its prompts, per-completion seeds and
-the engine's sampling settings (gather_object over a gloo group); the rollout rank samples every row at
-once through the engine (`Sampling.generate`) and sends each rank its rows back (scatter_object_list),
-as `generate` would have returned them to that rank alone (`Rollout.rows`).
+the engine's sampling settings (tensors sent point to point over a gloo group: rl/rolloutwire.py); the
+rollout rank samples every row at once through the engine (`Sampling.generate`) and sends each rank its
+rows back, as `generate` would have returned them to that rank alone (`Rollout.rows`).
 
 The weights follow the policy: after an optimizer step, the next request carries `push`, and the first
 policy rank of the group broadcasts the trainable parameters (all of them; LoRA: the adapters only) in
@@ -38,6 +38,16 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime
 from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.plan.inference import WEIGHT_BUCKET_BYTES
+from gpufleet.rl.rolloutwire import (
+    Answer,
+    pack_answer,
+    recv_answers,
+    recv_request,
+    send_answers,
+    send_request,
+)
+
+__all__ = ["Answer", "RemoteRollout", "connect", "fetch", "flush", "sample", "serve", "stop"]
 
 
 @dataclass
@@ -69,6 +79,8 @@ class RemoteRollout:
     wait_seconds: float = 0.0
     """Seconds spent waiting on the rollout rank (to take a request, for an answer) since the last
     `take_wait_seconds`."""
+    said: dict = field(default_factory=dict)
+    """What the requests told the rollout rank that it keeps (rl/rolloutwire.py: sampling settings, wire)."""
 
     def stepped(self) -> None:
         self.version += 1
@@ -80,16 +92,6 @@ class RemoteRollout:
     def take_wait_seconds(self) -> float:
         seconds, self.wait_seconds = self.wait_seconds, 0.0
         return seconds
-
-
-@dataclass
-class Answer:
-    """A rollout rank's rows for one policy rank: the completions, their sampling log-probs (None when
-    not asked for) and the policy's version (optimizer steps) of the weights that sampled them."""
-
-    rollout: Rollout
-    logprobs: torch.Tensor | None
-    version: int
 
 
 def connect(rt: Runtime, job: Job) -> RemoteRollout | None:
@@ -143,11 +145,9 @@ def flush(remote: RemoteRollout | None) -> None:
     """Have every answer in flight sampled and sent here (before a checkpoint saves `remote.held`)."""
     if remote is None or not remote.waiting:
         return
-    dist.gather_object({"flush": True}, None, dst=remote.rank, group=remote.group)
-    out: list = [None]
-    dist.scatter_object_list(out, None, src=remote.rank, group=remote.group)
+    send_request(remote.rank, remote.group, remote.said, {"flush": True})
     first = remote.sent - remote.waiting
-    remote.held.update({first + i: a for i, a in enumerate(out[0])})
+    remote.held.update({first + i: a for i, a in enumerate(recv_answers(remote.rank, remote.group))})
     remote.waiting = 0
 
 
@@ -161,7 +161,7 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
         "push": wire(policy, remote.dtype) if push else None,
     }
     asked = time.perf_counter()
-    dist.gather_object(payload, None, dst=remote.rank, group=remote.group)  # waits for a busy rollout rank
+    send_request(remote.rank, remote.group, remote.said, payload)  # waits for a busy rollout rank
     remote.wait_seconds += time.perf_counter() - asked
     if push:
         started = time.perf_counter()
@@ -178,10 +178,9 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
 
 def _receive_oldest(remote: RemoteRollout) -> None:
     started = time.perf_counter()
-    out: list = [None]
-    dist.scatter_object_list(out, None, src=remote.rank, group=remote.group)
+    (answer,) = recv_answers(remote.rank, remote.group)
     remote.wait_seconds += time.perf_counter() - started
-    remote.held[remote.sent - remote.waiting] = out[0]
+    remote.held[remote.sent - remote.waiting] = answer
     remote.waiting -= 1
 
 
@@ -189,8 +188,8 @@ def stop(remote: RemoteRollout | None) -> None:
     """Tell the rollout rank this policy rank is done (it returns when all of its ranks are)."""
     if remote is None:
         return
-    dist.gather_object(None, None, dst=remote.rank, group=remote.group)
-    dist.scatter_object_list([None], None, src=remote.rank, group=remote.group)
+    send_request(remote.rank, remote.group, remote.said, None)
+    recv_answers(remote.rank, remote.group)
 
 
 def trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -252,24 +251,26 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
     model = _load(job, rt.device)
     params = dict(model.named_parameters())
     model.requires_grad_(False)
-    members = dist.get_world_size(group)
+    served = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))][
+        :-1
+    ]  # then this rank
+    said: list[dict] = [{} for _ in served]  # what each policy rank told this one (rl/rolloutwire.py)
     ahead = job.rollout.async_steps
-    queue: deque = deque()  # [asks, answers or None] per request not yet answered, oldest first
+    queue: deque = deque()  # [asks, packed answers or None] per request not yet answered, oldest first
     log(
-        f"rollout rank {rt.rank} on {rt.device}: serving {members - 1} policy rank(s), {ahead} batch(es) ahead"
+        f"rollout rank {rt.rank} on {rt.device}: serving {len(served)} policy rank(s), {ahead} batch(es) ahead"
     )
     while True:
-        payloads: list = [None] * members
-        dist.gather_object(None, payloads, dst=rank, group=group)
-        asks = payloads[:-1]  # the group's last member is this rank
+        asks = [recv_request(src, group, told) for src, told in zip(served, said, strict=True)]
         if all(a is None for a in asks):
-            dist.scatter_object_list([None], [None] * members, src=rank, group=group)
+            for dst in served:
+                send_answers(dst, group, [pack_answer(None)])
             return
         if asks[0].get("flush"):
             for item in queue:
                 item[1] = item[1] or _answer(model, job, item[0])
-            sent = [[item[1][m] for item in queue] for m in range(members - 1)]
-            dist.scatter_object_list([None], sent + [None], src=rank, group=group)
+            for m, dst in enumerate(served):
+                send_answers(dst, group, [item[1][m] for item in queue], flush=True)
             queue.clear()
             continue
         if asks[0]["push"] is not None:
@@ -278,15 +279,17 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
         if len(queue) > ahead:  # the oldest answer goes first (sampled now if it is the new one)
             oldest = queue.popleft()
             answers = oldest[1] or _answer(model, job, oldest[0])
-            dist.scatter_object_list([None], answers + [None], src=rank, group=group)
+            for dst, packed in zip(served, answers, strict=True):
+                send_answers(dst, group, [packed])
         if queue and queue[-1][1] is None:
             queue[-1][1] = _answer(model, job, queue[-1][0])
 
 
-def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[Answer | None]:
-    """Every rank's rows sampled at once (and their sampling log-probs), cut back into each rank's rows."""
+def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[list[torch.Tensor]]:
+    """Every rank's rows sampled at once (and their sampling log-probs), cut back into each rank's rows,
+    packed to be sent (rl/rolloutwire.py)."""
     if asks[0]["ask"] is None:  # past the run's end: nothing to sample
-        return [None] * len(asks)
+        return [pack_answer(None) for _ in asks]
     first = asks[0]["ask"]
     prompts = [row for a in asks for row in a["ask"]["prompt_ids"]]
     seeds = [s for a in asks for s in a["ask"]["seeds"]]
@@ -298,7 +301,7 @@ def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[Answer |
         stop = start + len(a["ask"]["prompt_ids"])
         rows = out.rows(start, stop)
         lp = None if logprobs is None else logprobs[start:stop, : rows.completion_ids.shape[1]].cpu()
-        answers.append(Answer(rows.to("cpu"), lp, a["version"]))
+        answers.append(pack_answer(Answer(rows.to("cpu"), lp, a["version"])))
         start = stop
     return answers
 
