@@ -400,3 +400,36 @@ def test_check_refuses_a_dict_form_without_its_routing_column(tmp_path, data, li
     p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path, timeout=120)
     assert p.returncode == 2 and line in p.stdout, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_reset_options_on_the_wire_are_an_object_and_only_on_reset():
+    from gpufleet.env.server import BadRequest, parse_batch
+
+    ok = parse_batch({"episodes": [{"id": "a", "seed": 1, "options": {"row": {"x": 1}}}]}, "reset")
+    assert ok[0]["options"] == {"row": {"x": 1}}
+    with pytest.raises(BadRequest, match=r"episodes\[0\].options must be an object"):
+        parse_batch({"episodes": [{"id": "a", "seed": 1, "options": [1]}]}, "reset")
+    with pytest.raises(BadRequest, match=r"episodes\[0\] must be"):
+        parse_batch({"episodes": [{"id": "a", "action": "x", "options": {}}]}, "step")
+
+
+NEEDS = """
+
+class Needs(Vault):
+    def reset(self, target, **kwargs) -> str:
+        self.number, self.unlocked = target, False
+        return f"{target}:"
+"""
+
+
+def test_check_tries_reset_with_the_first_data_row_as_train_does(tmp_path):
+    """TRL's reset(self, target, **kwargs) reads a data column: check's trial passes it the first row."""
+    (tmp_path / "trl_env.py").write_text(ENV + EXTRA + NEEDS)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "open ", "target": 42}\n')
+    (tmp_path / "job.yaml").write_text(JOB.replace("trl_env.py:Vault", "trl_env.py:Needs"))
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path, timeout=120)
+    assert p.returncode == 2 and "missing 1 required positional argument: 'target'" in p.stdout, p.stdout
+    p = run_user(
+        "check", "job.yaml", "--gpus", "cpu", *sets("data.path=data.jsonl"), cwd=tmp_path, timeout=120
+    )
+    assert p.returncode == 0, p.stdout + p.stderr

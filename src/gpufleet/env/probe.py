@@ -31,13 +31,18 @@ START_S = 20.0
 """Seconds the child may take beyond that (Python, gpufleet and the user's module importing)."""
 
 
-def probe(name: str, kwargs: dict[str, Any], folders: list[str], reset_timeout: float) -> UserError | None:
+def probe(
+    name: str, kwargs: dict[str, Any], folders: list[str], reset_timeout: float, options: dict | None = None
+) -> UserError | None:
+    """`options`: the reset options train gives the first episode (a TRL environment's data row)."""
     from gpufleet.env.connect import env_failed, env_stuck
     from gpufleet.env.runner import EnvTimeout
     from gpufleet.env.servers import child_env
 
     limit = min(reset_timeout, PROBE_S)
-    spec = json.dumps({"name": name, "kwargs": kwargs, "folders": folders, "limit": limit})
+    spec = json.dumps(
+        {"name": name, "kwargs": kwargs, "folders": folders, "limit": limit, "options": options}
+    )
     cmd = [sys.executable, "-m", "gpufleet.env.probe"]
     try:
         done = subprocess.run(
@@ -92,7 +97,7 @@ def main() -> None:
     try:
         make = factory(spec["name"], spec["kwargs"], spec["folders"])
         pool = LocalPool(make, spec["name"], reset_timeout=spec["limit"], say=lambda _: None)
-        pool.reset([("check", 0)])
+        pool.reset([("check", 0, *([spec["options"]] if spec.get("options") is not None else []))])
         out: dict[str, Any] = {"ok": True}
     except UserError as e:
         out = {

@@ -5,6 +5,7 @@
 
     GET  /health  -> {"ok": true, "env", "episodes": <live>, "pid", "busy": null | {"call", "for"}}
     POST /reset   {"episodes": [{"id", "seed"}, ...]}   -> {"results": [{"id", "observation", "info"}]}
+                  (an item may add "options": an object, passed as reset(seed=, options=), Gymnasium's)
     POST /step    {"episodes": [{"id", "action"}, ...]} -> {"results": [{"id", "observation", "reward",
                                                             "terminated", "truncated", "info", "steps"}]}
     POST /close   {"ids": [...]}                         -> {"closed": n}

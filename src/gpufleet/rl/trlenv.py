@@ -104,15 +104,8 @@ class TrlRun:
 
     def options(self, pos: int) -> tuple:
         """() or (the reset options of env/trl.py,) for the episodes of group position `pos`."""
-        from gpufleet.env.trl import COLUMN
-        from gpufleet.env.wire import jsonable
-
         row = self.row(pos)
-        if row is None:
-            return ()
-        if None in self.schemas:
-            return ({"row": jsonable(row)},)
-        return ({"row": jsonable({k: v for k, v in row.items() if k != COLUMN}), COLUMN: row.get(COLUMN)},)
+        return () if row is None else (reset_options(row, multi=None not in self.schemas),)
 
     def tools(self, pos: int) -> list[dict]:
         """The tools offered to the episodes of `pos`: their environment's."""
@@ -134,6 +127,17 @@ class TrlRun:
         messages = [dict(m) for m in prompt]
         messages[-1]["content"] = str(messages[-1].get("content") or "") + text
         return messages, messages[-1]["content"]
+
+
+def reset_options(row: dict, multi: bool) -> dict:
+    """env/trl.py's reset options for a data row: the row (JSON-safe) as reset's keyword arguments; with
+    the dict form, its `environment` column apart (TRL does not pass it to reset)."""
+    from gpufleet.env.trl import COLUMN
+    from gpufleet.env.wire import jsonable
+
+    if not multi:
+        return {"row": jsonable(row)}
+    return {"row": jsonable({k: v for k, v in row.items() if k != COLUMN}), COLUMN: row.get(COLUMN)}
 
 
 def trl_run(job) -> TrlRun | None:

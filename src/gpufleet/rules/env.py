@@ -21,7 +21,10 @@ def env_resolvable(ctx: Context):
     folders, slow = usercode.roots(ctx.r.job_path), None
     try:
         if source.is_users(cfg.name) and not cfg.address:  # remote servers run their own
-            slow = probe.probe(cfg.name, dict(cfg.kwargs), folders, cfg.reset_timeout)
+            from gpufleet.rules.trlenv import first_options
+
+            options = first_options(ctx)  # a TRL environment's first data row, as train resets with it
+            slow = probe.probe(cfg.name, dict(cfg.kwargs), folders, cfg.reset_timeout, options)
         else:
             source.check(cfg.name, dict(cfg.kwargs), folders)
     except UserError as e:

@@ -22,6 +22,24 @@ def trl_envs(ctx: Context) -> dict | None:
         return None
 
 
+def first_options(ctx: Context) -> dict | None:
+    """The reset options of the first episode of a TRL environment job with a local data file (its first
+    row in file order), for check's trial of the environment (env/probe.py); None otherwise."""
+    from gpufleet import datafile
+    from gpufleet.paths import user_path
+    from gpufleet.rl.trlenv import reads_data, reset_options
+
+    envs = trl_envs(ctx)
+    data = ctx.job.data
+    if envs is None or not reads_data(ctx.job) or not user_path(data.path).exists():
+        return None
+    try:
+        rows = datafile.scan(user_path(data.path), data.prompt_field, max_rows=1, keep=True).rows
+    except UserError:  # data_available says it
+        return None
+    return reset_options(rows[0], multi=None not in envs) if rows else None
+
+
 @rule
 def trl_env_contract(ctx: Context):
     from gpufleet.rl import trlenv
