@@ -433,3 +433,59 @@ def test_check_tries_reset_with_the_first_data_row_as_train_does(tmp_path):
         "check", "job.yaml", "--gpus", "cpu", *sets("data.path=data.jsonl"), cwd=tmp_path, timeout=120
     )
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_is_bitwise_identical_on_a_trl_env_job_on_env_servers(tmp_path):
+    """The example on an env server: kill -9 the whole run mid-way, resume, the same weights bit for bit
+    (episodes are rebuilt from their seeds: reset's random state is the episode's)."""
+    import subprocess
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import console_script, process_env
+
+    for f in ("agent-trl-env.yaml", "trl_env.py"):
+        (tmp_path / f).write_text((ROOT / "examples" / f).read_text())
+    common = ("train.max_steps=8", "output.save_every=3", "train.per_device_batch=32", "train.log_every=1")
+
+    def argv(run):
+        return [
+            console_script(),
+            "train",
+            "agent-trl-env.yaml",
+            *sets(*common, "env.servers=1", f"output.dir={run}"),
+        ]
+
+    def rows(run):
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    p = subprocess.run(
+        argv("ref"), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen(
+            argv("run"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=process_env(),
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 300
+        while not ((tmp_path / "run" / "metrics.jsonl").exists() and len(rows("run")) >= 5):
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    p = subprocess.run(
+        argv("run"), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0 and "resuming from" in p.stdout, p.stdout + p.stderr
+    a = load_file(tmp_path / "ref" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [x["reward"] for x in rows("ref")] == [x["reward"] for x in rows("run")]

@@ -14,8 +14,9 @@ environment in the column `environment` (`is_trl_envs`).
 replay after a crash and env.reset_timeout / env.step_timeout apply as to any environment:
 
     reset(seed=, options=)  the class's reset(**row): `options` {"row": the episode's data row, minus
-                    `environment`; "environment": its name (dict form)}; no options: reset() with no
-                    arguments. The observation is its text ("" for None)
+                    `environment`; "environment": its name (dict form)}; no options (check's trial of
+                    a job without data): reset() with no arguments, the dict form's first environment.
+                    The observation is its text ("" for None)
     step(action)    `action` is the policy's assistant message as JSON: {"content": str, "tool_calls":
                     [{"type": "function", "function": {"name", "arguments"}}, ...]}. With tool calls:
                     each runs on the instance (an exception, an unknown name or bad arguments becomes
