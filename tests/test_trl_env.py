@@ -489,3 +489,19 @@ def test_kill9_then_resume_is_bitwise_identical_on_a_trl_env_job_on_env_servers(
     b = load_file(tmp_path / "run" / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["reward"] for x in rows("ref")] == [x["reward"] for x in rows("run")]
+
+
+def test_check_refuses_a_template_that_drops_the_environments_tool_results(tmp_path):
+    """The chat template is checked with the class's tools (there are no rollout.tools here)."""
+    from gpufleet.models.builtin import materialize
+
+    folder = materialize("tiny-qwen2", tmp_path / "cache")
+    jinja = folder / "chat_template.jinja"
+    jinja.write_text(jinja.read_text().replace("{{ 'T:' + (m.content | string) + '\\n' }}", ""))
+    (tmp_path / "trl_env.py").write_text(ENV)
+    (tmp_path / "job.yaml").write_text(JOB)
+    p = run_user(
+        "check", "job.yaml", "--gpus", "cpu", *sets(f"model.path={folder}"), cwd=tmp_path, timeout=120
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "chat template cannot lay out episodes: it drops tool calls or tool results" in p.stdout, p.stdout
