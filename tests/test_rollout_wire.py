@@ -8,20 +8,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpufleet.engine.rollout import Rollout, Sampling
+from gpufleet.engine.rollout import Rollout, Sampling, left_pad
 from gpufleet.launch.torchrun import free_port
-from gpufleet.rl.rolloutwire import (
-    Answer,
-    pack_answer,
-    recv_answers,
-    recv_request,
-    send_answers,
-    send_request,
-)
+from gpufleet.rl.rolloutwire import Answer, PolicyEnd, pack_answer, recv_request, send_answer, send_stop
 from helpers import gloo_done, gloo_rank
 
 SAMPLING = Sampling(eos_token_id=2, pad_token_id=0, temperature=0.7, suppress_tokens=(5,), min_new_tokens=1)
 WIRE = [("w", "float32", 6), ("b", "bfloat16", 2)]
+LONG = [[3 + i % 7] * (1 + i % 20) for i in range(300)]  # more than one message's worth of prompts
 
 
 def _ask(prompts, seeds, sampling=SAMPLING, logprobs=True) -> dict:
@@ -38,46 +32,47 @@ REQUESTS = [
     {"ask": _ask([[7, 8, 9], [4]], [10**12 + 3, 5]), "version": 0, "push": WIRE},
     {"ask": _ask([[1], [2, 3]], [6, 7]), "version": 1, "push": WIRE},  # nothing new to say: no blob
     {"ask": _ask([[1, 2]], [8], Sampling(2, 0), logprobs=False), "version": 2, "push": None},
-    {"ask": None, "version": 3, "push": None},  # past the run's end
+    {"ask": _ask(LONG, list(range(300)), Sampling(2, 0)), "version": 3, "push": None},
+    {"ask": None, "version": 4, "push": None},  # past the run's end
     {"flush": True},
     None,  # stop
 ]
 
 
-def _answer(version: int, dtype) -> Answer:
+def _answer(request: dict) -> Answer | None:
+    """What a rollout rank could answer to `request`: completions shorter than max_new_tokens."""
+    ask = request["ask"]
+    if ask is None:
+        return None
+    n = len(ask["prompt_ids"])
+    ids, mask = left_pad(ask["prompt_ids"], 0)
+    T = ask["max_new_tokens"] - 2
+    g = torch.Generator().manual_seed(n)
+    cmask = (torch.arange(T)[None, :] < torch.randint(1, T + 1, (n, 1), generator=g)).long()
     rollout = Rollout(
-        prompt_ids=torch.tensor([[0, 7, 8], [4, 5, 6]]),
-        prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        completion_ids=torch.tensor([[3, 2], [9, 0]]),
-        completion_mask=torch.tensor([[1, 1], [1, 0]]),
-        completion_lengths=torch.tensor([2, 1]),
-        is_truncated=torch.tensor([False, True]),
+        ids, mask, torch.randint(3, 50, (n, T), generator=g) * cmask, cmask, cmask.sum(1), cmask.sum(1) == T
     )
-    lp = None if dtype is None else torch.tensor([[-0.5, -1.25], [-3.0, 0.0]], dtype=dtype)
-    return Answer(rollout, lp, version)
+    lp = -torch.rand(n, T, generator=g) if ask["logprobs"] else None
+    return Answer(rollout, lp, request["version"])
 
 
-ANSWERS = [[_answer(4, torch.float32)], [None], [_answer(5, torch.bfloat16), _answer(6, None)]]
+ANSWERS = [_answer(r) for r in REQUESTS[:5]]
 
 
 def _worker(rank: int, port: int, out: str) -> None:
     gloo_rank(rank, port)
     group = dist.new_group([0, 1])
     if rank == 0:  # the policy rank
-        said: dict = {}
+        end = PolicyEnd(1, group)
         for request in REQUESTS:
-            send_request(1, group, said, request)
-        got = [recv_answers(1, group), recv_answers(1, group)]
-        dist.send(torch.zeros(1), dst=1, group=group)
-        got.append(recv_answers(1, group))
-        torch.save(got, out)
+            end.request(request)
+        torch.save([end.answer() for _ in range(len(ANSWERS) + 1)], out)
     else:  # the rollout rank
-        said = {}
+        said: dict = {}
         got = [recv_request(0, group, said) for _ in REQUESTS]
-        send_answers(0, group, [pack_answer(a) for a in ANSWERS[0]])
-        send_answers(0, group, [pack_answer(a) for a in ANSWERS[1]])
-        dist.recv(torch.zeros(1), src=0, group=group)
-        send_answers(0, group, [pack_answer(a) for a in ANSWERS[2]], flush=True)
+        for request, answer in zip(REQUESTS, ANSWERS, strict=False):
+            send_answer(0, group, pack_answer(answer, request["ask"] and request["ask"]["max_new_tokens"]))
+        send_stop(0, group)
         torch.save(got, out + ".requests")
     gloo_done()
 
@@ -85,11 +80,10 @@ def _worker(rank: int, port: int, out: str) -> None:
 def test_requests_and_answers_arrive_as_sent(tmp_path):
     out = str(tmp_path / "got.pt")
     mp.spawn(_worker, args=(free_port(), out), nprocs=2)
-    requests = torch.load(out + ".requests", weights_only=False)
-    assert requests == REQUESTS
+    assert torch.load(out + ".requests", weights_only=False) == REQUESTS
     answers = torch.load(out, weights_only=False)
-    assert [len(a) for a in answers] == [1, 1, 2]
-    for got, sent in zip([x for a in answers for x in a], [x for a in ANSWERS for x in a], strict=True):
+    assert answers[-1] is None  # the goodbye
+    for got, sent in zip(answers, ANSWERS, strict=False):
         if sent is None:
             assert got is None
             continue
@@ -97,23 +91,24 @@ def test_requests_and_answers_arrive_as_sent(tmp_path):
         for name in sent.rollout.__dataclass_fields__:
             a, b = getattr(got.rollout, name), getattr(sent.rollout, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
-        if sent.logprobs is None:
-            assert got.logprobs is None
-        else:
+        assert (got.logprobs is None) == (sent.logprobs is None)
+        if sent.logprobs is not None:
             assert got.logprobs.dtype == sent.logprobs.dtype and torch.equal(got.logprobs, sent.logprobs)
 
 
 def test_what_did_not_change_is_not_sent_again(monkeypatch):
-    """The request's blob (sampling settings, wire) is there only when something changed (the headers
-    read where they are sent)."""
+    """A request is one message, with the blob (sampling settings, wire) only when something changed (the
+    headers read where they are sent); a long one takes a second message."""
     from gpufleet.rl import rolloutwire
 
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(rolloutwire.dist, "send", lambda t, dst, group: sent.append(t.clone()))
-    said: dict = {}
-    blobs = []
-    for request in REQUESTS[:3]:
+    end = PolicyEnd(1, None)
+    blobs, messages = [], []
+    for request in REQUESTS[:4]:
         sent.clear()
-        send_request(1, None, said, request)
+        end.request(request)
         blobs.append(int(sent[0][7]))
-    assert blobs[0] > 0 and blobs[1] == 0 and blobs[2] > 0  # the third request's sampling settings differ
+        messages.append(len(sent))
+    assert blobs[0] > 0 and blobs[1] == 0 and blobs[2] > 0 and blobs[3] == 0  # the third's sampling differs
+    assert messages == [1, 1, 1, 2]

@@ -38,14 +38,7 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime
 from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.plan.inference import WEIGHT_BUCKET_BYTES
-from gpufleet.rl.rolloutwire import (
-    Answer,
-    pack_answer,
-    recv_answers,
-    recv_request,
-    send_answers,
-    send_request,
-)
+from gpufleet.rl.rolloutwire import Answer, PolicyEnd, pack_answer, recv_request, send_answer, send_stop
 
 __all__ = ["Answer", "RemoteRollout", "connect", "fetch", "flush", "sample", "serve", "stop"]
 
@@ -79,8 +72,11 @@ class RemoteRollout:
     wait_seconds: float = 0.0
     """Seconds spent waiting on the rollout rank (to take a request, for an answer) since the last
     `take_wait_seconds`."""
-    said: dict = field(default_factory=dict)
-    """What the requests told the rollout rank that it keeps (rl/rolloutwire.py: sampling settings, wire)."""
+    link: PolicyEnd = field(init=False)
+    """This end of the wire (rl/rolloutwire.py): what the rollout rank was told, the answers to come."""
+
+    def __post_init__(self) -> None:
+        self.link = PolicyEnd(self.rank, self.group)
 
     def stepped(self) -> None:
         self.version += 1
@@ -145,9 +141,9 @@ def flush(remote: RemoteRollout | None) -> None:
     """Have every answer in flight sampled and sent here (before a checkpoint saves `remote.held`)."""
     if remote is None or not remote.waiting:
         return
-    send_request(remote.rank, remote.group, remote.said, {"flush": True})
+    remote.link.request({"flush": True})
     first = remote.sent - remote.waiting
-    remote.held.update({first + i: a for i, a in enumerate(recv_answers(remote.rank, remote.group))})
+    remote.held.update({first + i: remote.link.answer() for i in range(remote.waiting)})
     remote.waiting = 0
 
 
@@ -161,7 +157,7 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
         "push": wire(policy, remote.dtype) if push else None,
     }
     asked = time.perf_counter()
-    send_request(remote.rank, remote.group, remote.said, payload)  # waits for a busy rollout rank
+    remote.link.request(payload)  # waits for a busy rollout rank
     remote.wait_seconds += time.perf_counter() - asked
     if push:
         started = time.perf_counter()
@@ -178,7 +174,7 @@ def _request(remote: RemoteRollout, policy: torch.nn.Module, ask: dict | None) -
 
 def _receive_oldest(remote: RemoteRollout) -> None:
     started = time.perf_counter()
-    (answer,) = recv_answers(remote.rank, remote.group)
+    answer = remote.link.answer()
     remote.wait_seconds += time.perf_counter() - started
     remote.held[remote.sent - remote.waiting] = answer
     remote.waiting -= 1
@@ -188,8 +184,8 @@ def stop(remote: RemoteRollout | None) -> None:
     """Tell the rollout rank this policy rank is done (it returns when all of its ranks are)."""
     if remote is None:
         return
-    send_request(remote.rank, remote.group, remote.said, None)
-    recv_answers(remote.rank, remote.group)
+    remote.link.request(None)
+    remote.link.answer()
 
 
 def trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -264,13 +260,14 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
         asks = [recv_request(src, group, told) for src, told in zip(served, said, strict=True)]
         if all(a is None for a in asks):
             for dst in served:
-                send_answers(dst, group, [pack_answer(None)])
+                send_stop(dst, group)
             return
         if asks[0].get("flush"):
             for item in queue:
                 item[1] = item[1] or _answer(model, job, item[0])
             for m, dst in enumerate(served):
-                send_answers(dst, group, [item[1][m] for item in queue], flush=True)
+                for item in queue:
+                    send_answer(dst, group, item[1][m])
             queue.clear()
             continue
         if asks[0]["push"] is not None:
@@ -280,12 +277,12 @@ def serve(rt: Runtime, job: Job, log=print) -> None:
             oldest = queue.popleft()
             answers = oldest[1] or _answer(model, job, oldest[0])
             for dst, packed in zip(served, answers, strict=True):
-                send_answers(dst, group, [packed])
+                send_answer(dst, group, packed)
         if queue and queue[-1][1] is None:
             queue[-1][1] = _answer(model, job, queue[-1][0])
 
 
-def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[list[torch.Tensor]]:
+def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[torch.Tensor]:
     """Every rank's rows sampled at once (and their sampling log-probs), cut back into each rank's rows,
     packed to be sent (rl/rolloutwire.py)."""
     if asks[0]["ask"] is None:  # past the run's end: nothing to sample
@@ -301,7 +298,7 @@ def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[list[tor
         stop = start + len(a["ask"]["prompt_ids"])
         rows = out.rows(start, stop)
         lp = None if logprobs is None else logprobs[start:stop, : rows.completion_ids.shape[1]].cpu()
-        answers.append(pack_answer(Answer(rows.to("cpu"), lp, a["version"])))
+        answers.append(pack_answer(Answer(rows.to("cpu"), lp, a["version"]), a["ask"]["max_new_tokens"]))
         start = stop
     return answers
 

@@ -1,25 +1,28 @@
-"""The messages between a policy rank and its rollout rank (rl/rollouts.py), as tensors sent point to point
-over their (gloo) group: a fixed-size header, then the rows. gather_object / scatter_object_list pickled
-every request and answer and sent each as two collectives (the sizes, then the bytes); on the 2-core
-benchmark that was several ms a step on the policy rank's critical path (bench/async_rollout.py). What
-rarely changes (the sampling settings, a push's wire description) still travels pickled, and only when it
-changed since the last request (both ends keep what was said).
+"""The messages between a policy rank and its rollout rank (rl/rollouts.py), as int64 tensors sent point to
+point over their (gloo) group: as a rule one message each way per request.
+gather_object / scatter_object_list pickled every request and answer and sent each as two collectives (the
+sizes, then the bytes): on the 2-core benchmark a few ms a step on the policy rank's critical path
+(bench/async_rollout.py), where every message is a wake-up of a process that waits. What rarely changes
+(the sampling settings, a push's wire description) travels pickled, only when it changed (both ends keep
+what was said).
 
-A request (policy -> rollout): the header int64 [kind, version, push, rows, width, max_new_tokens,
-logprobs, blob bytes]; the blob (uint8: a pickled {"sampling" | "wire": value} of what changed); for an
-ask, its rows: int64 (rows, 2 + width): seed, prompt length, the prompt's ids (right-padded with 0).
-`recv_request` gives back what rollouts.py sends: {"ask", "version", "push"}, {"flush": True} or None (stop).
+A request (policy -> rollout): `INLINE` int64s: the header [kind, version, push, rows, width,
+max_new_tokens, logprobs, blob bytes], then for an ask its rows (rows, 2 + width: seed, prompt length, the
+prompt's ids right-padded with 0), then the blob (a pickled {"sampling" | "wire": value} of what changed,
+in int64s); what does not fit follows in a second message.
 
-An answer (rollout -> policy): the header int64 [kind, rows, prompt width P, completion width T, version,
-logprobs, their dtype, count]; the rollout's rows int64 (rows, 2P + 2T + 2): prompt ids and mask, completion
-ids and mask, length, truncated; the sampling log-probs (rows, T) when there are. A flush is a header with
-the count of answers that follow.
+An answer (rollout -> policy): the header [kind, rows, prompt width P, completion width T, version], then
+(rows, 2P + 2M + 2): prompt ids and mask, completion ids and mask (padded to M = the request's
+max_new_tokens), length, truncated; then, when asked for, the sampling log-probs (rows, M) as float64 bits.
+The policy rank knows its size from its request (`PolicyEnd`), so it is one message.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,8 +30,9 @@ import torch.distributed as dist
 from gpufleet.engine.rollout import Rollout
 
 HEADER = 8
+INLINE = 4096
+"""int64s in a request's first message: its header and, as a rule, all of it (16 prompts of 250 tokens)."""
 STOP, ASK, NOTHING, FLUSH = 0, 1, 2, 3
-FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -41,50 +45,102 @@ class Answer:
     version: int
 
 
-def send_request(dst: int, group, said: dict, request: dict | None) -> None:
-    """Send `request` (rollouts.py's dict, or None: stop) to global rank `dst`; `said`: what this end
-    told it before (updated)."""
-    header = torch.zeros(HEADER, dtype=torch.long)
-    tensors = []
-    if request is None or request.get("flush"):
-        header[0] = STOP if request is None else FLUSH
-    else:
-        ask, push = request["ask"], request["push"]
-        header[:3] = torch.tensor(
-            [NOTHING if ask is None else ASK, request["version"], int(push is not None)]
-        )
-        changed = {} if push is None or said.get("wire") == push else {"wire": push}
-        if ask is not None:
-            if said.get("sampling") != ask["sampling"]:
-                changed["sampling"] = ask["sampling"]
-            rows = prompt_rows(ask["prompt_ids"], ask["seeds"])
-            header[3:7] = torch.tensor(
-                [rows.shape[0], rows.shape[1] - 2, ask["max_new_tokens"], int(bool(ask.get("logprobs")))]
+@dataclass
+class PolicyEnd:
+    """A policy rank's end of the wire to its rollout rank (global rank `dst`): what it told it, and the
+    shape of each answer still to come, oldest first."""
+
+    dst: int
+    group: object
+    said: dict = field(default_factory=dict)
+    expect: deque = field(default_factory=deque)
+
+    def request(self, request: dict | None) -> None:
+        """Send rollouts.py's request: {"ask", "version", "push"}, {"flush": True} or None (stop)."""
+        header = torch.zeros(HEADER, dtype=torch.long)
+        parts = [header]
+        if request is None or request.get("flush"):
+            header[0] = STOP if request is None else FLUSH
+            if request is None:
+                self.expect.append(None)  # the rollout rank's goodbye: a header
+        else:
+            ask, push = request["ask"], request["push"]
+            changed = {} if push is None or self.said.get("wire") == push else {"wire": push}
+            header[:3] = torch.tensor(
+                [NOTHING if ask is None else ASK, request["version"], int(push is not None)]
             )
-        if changed:
-            blob = torch.frombuffer(bytearray(pickle.dumps(changed)), dtype=torch.uint8)
-            header[7] = blob.numel()
-            tensors.append(blob)
-            said.update(changed)
-        if ask is not None:
-            tensors.append(rows)
-    for t in (header, *tensors):
-        dist.send(t, dst=dst, group=group)
+            if ask is not None:
+                if self.said.get("sampling") != ask["sampling"]:
+                    changed["sampling"] = ask["sampling"]
+                rows = prompt_rows(ask["prompt_ids"], ask["seeds"])
+                logprobs, new = bool(ask.get("logprobs")), ask["max_new_tokens"]
+                header[3:7] = torch.tensor([rows.shape[0], rows.shape[1] - 2, new, int(logprobs)])
+                parts.append(rows.flatten())
+                self.expect.append((rows.shape[0], int(rows[:, 1].max()), new, logprobs))
+            else:
+                self.expect.append(None)
+            if changed:
+                blob = pickle.dumps(changed)
+                header[7] = len(blob)
+                parts.append(
+                    torch.frombuffer(
+                        bytearray(blob.ljust(8 * math.ceil(len(blob) / 8), b"\0")), dtype=torch.long
+                    )
+                )
+                self.said.update(changed)
+        _send_inline(torch.cat(parts), self.dst, self.group)
+
+    def answer(self) -> Answer | None:
+        """The oldest answer still to come (None: nothing was sampled for it)."""
+        expect = self.expect.popleft()
+        size = HEADER
+        if expect is not None:
+            rows, P, M, logprobs = expect
+            size += rows * (2 * P + 2 * M + 2) + (rows * M if logprobs else 0)
+        flat = torch.empty(size, dtype=torch.long)
+        dist.recv(flat, src=self.dst, group=self.group)
+        kind, rows, P, T, version = flat[:5].tolist()
+        if kind != ASK:
+            return None
+        if (rows, P) != expect[:2]:
+            raise RuntimeError(f"a rollout rank answered {rows} rows of prompts {P} wide, not {expect[:2]}")
+        M = expect[2]
+        body = flat[HEADER : HEADER + rows * (2 * P + 2 * M + 2)].view(rows, -1)
+        ids, mask, cids, cmask, length, cut = body.split([P, P, M, M, 1, 1], dim=1)
+        rollout = Rollout(
+            ids.contiguous(),
+            mask.contiguous(),
+            cids[:, :T].contiguous(),
+            cmask[:, :T].contiguous(),
+            length.squeeze(1).contiguous(),
+            cut.squeeze(1).bool(),
+        )
+        lp = None
+        if expect[3]:
+            lp = flat[HEADER + body.numel() :].view(torch.float64).view(rows, M)[:, :T].float()
+        return Answer(rollout, lp, version)
 
 
 def recv_request(src: int, group, said: dict) -> dict | None:
-    """The request global rank `src` sent (`send_request`); `said`: what it told this end before."""
-    header = _recv(torch.empty(HEADER, dtype=torch.long), src, group)
-    kind, version, push, rows, width, max_new_tokens, logprobs, blob = header.tolist()
+    """The request global rank `src` sent (`PolicyEnd.request`); `said`: what it told this end before."""
+    first = torch.empty(INLINE, dtype=torch.long)
+    dist.recv(first, src=src, group=group)
+    kind, version, push, rows, width, max_new_tokens, logprobs, blob = first[:HEADER].tolist()
     if kind == STOP:
         return None
     if kind == FLUSH:
         return {"flush": True}
+    data = rows * (2 + width) + math.ceil(blob / 8)
+    flat = first[HEADER : HEADER + data]
+    if HEADER + data > INLINE:
+        rest = torch.empty(HEADER + data - INLINE, dtype=torch.long)
+        dist.recv(rest, src=src, group=group)
+        flat = torch.cat([flat, rest])
     if blob:
-        said.update(pickle.loads(_recv(torch.empty(blob, dtype=torch.uint8), src, group).numpy().tobytes()))
+        said.update(pickle.loads(flat[rows * (2 + width) :].numpy().tobytes()[:blob]))
     ask = None
     if kind == ASK:
-        t = _recv(torch.empty((rows, 2 + width), dtype=torch.long), src, group)
+        t = flat[: rows * (2 + width)].view(rows, 2 + width)
         ids = t[:, 2:].tolist()
         ask = {
             "prompt_ids": [row[:n] for row, n in zip(ids, t[:, 1].tolist(), strict=True)],
@@ -105,55 +161,48 @@ def prompt_rows(prompt_ids: list[list[int]], seeds: list[int]) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.long).view(len(prompt_ids), 2 + width)
 
 
-def pack_answer(answer: Answer | None) -> list[torch.Tensor]:
-    """An `Answer` (or None: nothing sampled) as the tensors `send_answers` sends, made once it is sampled
-    (not while the policy rank waits for it)."""
+def pack_answer(answer: Answer | None, max_new_tokens: int = 0) -> torch.Tensor:
+    """An `Answer` (or None: nothing sampled) as the one message `send_answer` sends, its completions padded
+    to `max_new_tokens` (the size the policy rank expects); made once it is sampled, not while the policy
+    rank waits for it."""
     header = torch.zeros(HEADER, dtype=torch.long)
     if answer is None:
         header[0] = NOTHING
-        return [header]
+        return header
     r, lp = answer.rollout, answer.logprobs
-    P, T = r.prompt_ids.shape[1], r.completion_ids.shape[1]
-    parts = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    body = torch.cat([*parts, r.completion_lengths[:, None], r.is_truncated[:, None]], dim=1).long()
-    code = 0 if lp is None else FLOATS.index(lp.dtype)
-    header[:7] = torch.tensor([ASK, body.shape[0], P, T, answer.version, int(lp is not None), code])
-    return [header, body] if lp is None else [header, body, lp.contiguous()]
+    rows, P, T = r.prompt_ids.shape[0], r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    pad = max_new_tokens - T
+    body = torch.cat(
+        [
+            r.prompt_ids,
+            r.prompt_mask,
+            torch.nn.functional.pad(r.completion_ids, (0, pad)),
+            torch.nn.functional.pad(r.completion_mask, (0, pad)),
+            r.completion_lengths[:, None],
+            r.is_truncated[:, None],
+        ],
+        dim=1,
+    ).long()
+    header[:5] = torch.tensor([ASK, rows, P, T, answer.version])
+    parts = [header, body.flatten()]
+    if lp is not None:
+        parts.append(torch.nn.functional.pad(lp.double(), (0, pad)).flatten().view(torch.long))
+    return torch.cat(parts)
 
 
-def send_answers(dst: int, group, packed: list[list[torch.Tensor]], flush: bool = False) -> None:
-    """Send `pack_answer`s to global rank `dst`: one, or with `flush` a count and then each."""
-    if flush:
-        header = torch.zeros(HEADER, dtype=torch.long)
-        header[0], header[7] = FLUSH, len(packed)
-        dist.send(header, dst=dst, group=group)
-    elif len(packed) != 1:
-        raise ValueError(f"one answer at a time outside a flush, got {len(packed)}")
-    for tensors in packed:
-        for t in tensors:
-            dist.send(t, dst=dst, group=group)
+def send_answer(dst: int, group, packed: torch.Tensor) -> None:
+    dist.send(packed, dst=dst, group=group)
 
 
-def recv_answers(src: int, group) -> list[Answer | None]:
-    """What `send_answers` sent from global rank `src`: [one answer (or None)], or a flush's answers."""
-    header = _recv(torch.empty(HEADER, dtype=torch.long), src, group)
-    if int(header[0]) != FLUSH:
-        return [_recv_answer(header, src, group)]
-    return [
-        _recv_answer(_recv(torch.empty_like(header), src, group), src, group) for _ in range(int(header[7]))
-    ]
+def send_stop(dst: int, group) -> None:
+    """The rollout rank's goodbye to a policy rank that said stop."""
+    send_answer(dst, group, torch.zeros(HEADER, dtype=torch.long))
 
 
-def _recv_answer(header: torch.Tensor, src: int, group) -> Answer | None:
-    kind, rows, P, T, version, logprobs, code, _ = header.tolist()
-    if kind != ASK:
-        return None
-    body = _recv(torch.empty((rows, 2 * P + 2 * T + 2), dtype=torch.long), src, group)
-    lp = _recv(torch.empty((rows, T), dtype=FLOATS[code]), src, group) if logprobs else None
-    ids, mask, cids, cmask, length, cut = (x.contiguous() for x in body.split([P, P, T, T, 1, 1], dim=1))
-    return Answer(Rollout(ids, mask, cids, cmask, length.squeeze(1), cut.squeeze(1).bool()), lp, version)
-
-
-def _recv(t: torch.Tensor, src: int, group) -> torch.Tensor:
-    dist.recv(t, src=src, group=group)
-    return t
+def _send_inline(flat: torch.Tensor, dst: int, group) -> None:
+    """`flat` as one `INLINE` message (zero-padded), and what does not fit in a second."""
+    first = torch.zeros(INLINE, dtype=torch.long)
+    first[: min(len(flat), INLINE)] = flat[:INLINE]
+    dist.send(first, dst=dst, group=group)
+    if len(flat) > INLINE:
+        dist.send(flat[INLINE:].contiguous(), dst=dst, group=group)
