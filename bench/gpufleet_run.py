@@ -101,5 +101,8 @@ def run(a: argparse.Namespace, p: Preset) -> None:
         completion_length=[r["completions/mean_length"] for r in rows],
         max_length=[r["completions/max_length"] for r in rows],
         timing={k: [r.get(k, 0.0) for r in rows] for k in rows[0] if k.startswith("timing/")},
+        peak_gib=[r.get("memory/peak_gib") for r in rows],
     )
+    for key in ("memory/peak_gib", "memory/plan_gib", "memory/plan_ratio"):  # measured vs the plan
+        print(f"[vs_trl] gpufleet {key} per step:", [r.get(key) for r in rows], flush=True)
     add_peak(Path(a.result), p, a.threads, a.device, a.precision)

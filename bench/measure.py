@@ -68,6 +68,18 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+PRESETS["gpu-long"] = Preset(  # issue 37's whole step: 64 completions x 512 tokens of a 0.5B model, in bf16
+    "gpu-long",
+    batch=64,
+    generations=8,
+    completion_tokens=512,
+    steps=4,
+    lr=1e-6,
+    every=2,
+    model="qwen2.5-0.5b",
+    beta=0.04,
+)
+
 BENCH_MODELS: dict[str, dict[str, int]] = {
     "qwen2-256x4": {
         "hidden_size": 256,
@@ -85,6 +97,15 @@ BENCH_MODELS: dict[str, dict[str, int]] = {
         "num_key_value_heads": 2,
         "head_dim": 64,
         "intermediate_size": 4864,
+    },
+    "qwen2.5-1.5b": {  # Qwen2.5-1.5B's config.json shapes (tied embeddings, as the real model)
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "intermediate_size": 8960,
     },
 }
 """Benchmark models: builtin:tiny-qwen2's config.json (character vocabulary, tied embeddings) with these

@@ -1,21 +1,61 @@
 #!/usr/bin/env bash
-# Issue 14's benchmarks on a CUDA machine whose python3 has torch, transformers and TRL 1.16 (no network
-# needed): gpufleet vs TRL on the `gpu` preset (Qwen2.5-0.5B's shapes, 16 completions/step, G 8, 64 tokens,
-# beta 0.04) in fp32, then in bf16 autocast; each run first prints bench/gemm_peak.py's table at the
-# step's shapes. Logs and results.json go to $OUT (default /tmp/gpufleet-gpu-bench).
+# Issue 37's figures on a CUDA machine in one call (no network needed), or the same script at small shapes on
+# the CPU (DEVICE=cpu, to check it before a GPU is lent). Each part has its own time limit, so one that
+# overruns leaves the others their time; logs and JSON go to $OUT (default /tmp/gpufleet-gpu-bench).
 #
-#     bash bench/on_gpu.sh                 # STEPS=10 SEEDS=42,43 THREADS=8 SRC=src by default
+#     bash bench/on_gpu.sh                     # PARTS="tests decode update step" by default
+#     DEVICE=cpu bash bench/on_gpu.sh          # the same table at small shapes, here
+#     PARTS="decode" DECODE_ARGS="--models qwen2.5-1.5b --rows 256" bash bench/on_gpu.sh
+#
+# Parts: tests (the CUDA tests of the decoder), decode (bench/gpu_decode.py: ms per decode step against the
+# memory-bandwidth limit, bf16, 0.5B and 1.5B shapes, 16/64/256 rows, prompt 256, 512 new tokens; HF's generate
+# at 64 rows beside it), update (bench/gpu_update.py: forward + backward of 8 x 1,024 tokens against the bf16
+# matmul peak: autocast, FSDP2 mixed precision, Liger's kernels), step (bench/vs_trl.py --preset gpu-long:
+# gpufleet's whole step vs TRL 1.16's at 64 completions x 512 tokens in bf16, with the plan's memory against the
+# measured peak), gpu (the older `gpu` preset: 16 x 64 tokens, fp32 and bf16).
+# Python packages the machine lacks (TRL, transformers 5.23, pydantic, liger-kernel ...) travel as wheels in
+# .whl/ (bench/README.md says which) and are installed into /tmp/site first.
 set -u
+DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/gpufleet-gpu-bench}
 WORK=${WORK:-/tmp/gpufleet-gpu-work}
 mkdir -p "$OUT" "$WORK"
-export PYTHONUNBUFFERED=1 GPUFLEET_CACHE=${GPUFLEET_CACHE:-/tmp/gpufleet-cache}
 cd "$(dirname "$0")/.."
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-common=(--src "${SRC:-src}" --preset gpu --device cuda --here --threads "${THREADS:-8}" --steps "${STEPS:-10}" --warmup 3 --startup-runs 0)
-timeout "${FP32_LIMIT:-330}" python3 bench/vs_trl.py "${common[@]}" --seeds "${SEEDS:-42,43}" --out "$WORK/fp32" 2>&1 | tee "$OUT/fp32.log"
-cp "$WORK/fp32/results.json" "$OUT/fp32-results.json" 2>/dev/null
-timeout "${BF16_LIMIT:-200}" python3 bench/vs_trl.py "${common[@]}" --precision bf16 --seeds 42 --out "$WORK/bf16" 2>&1 | tee "$OUT/bf16.log"
-cp "$WORK/bf16/results.json" "$OUT/bf16-results.json" 2>/dev/null
-tail -n 40 "$WORK"/*/*.log > "$OUT/worker-logs.txt" 2>/dev/null
+export PYTHONUNBUFFERED=1 GPUFLEET_CACHE=${GPUFLEET_CACHE:-/tmp/gpufleet-cache} OUT
+if [ "$DEVICE" = cuda ]; then
+    PY=${PY:-python3}
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site:$PWD/src
+    else
+        export PYTHONPATH=$PWD/src
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    PARTS=${PARTS:-tests decode update step}
+else
+    PY=${PY:-.venv/bin/python}
+    PARTS=${PARTS:-decode update}
+fi
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+for part in $PARTS; do
+    echo "=== $part ($(date -u +%H:%M:%S))"
+    case $part in
+    tests)
+        timeout "${TESTS_LIMIT:-150}" $PY -m pytest -q -x -p no:cacheprovider -k cuda tests/test_graphdecode.py \
+            tests/test_gpuattention.py 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;
+    decode)
+        timeout "${DECODE_LIMIT:-300}" $PY bench/gpu_decode.py --device "$DEVICE" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
+    update)
+        timeout "${UPDATE_LIMIT:-100}" $PY bench/gpu_update.py --device "$DEVICE" ${UPDATE_ARGS:-} 2>&1 | tee "$OUT/update.log" ;;
+    step)
+        timeout "${STEP_LIMIT:-240}" $PY bench/vs_trl.py --src src --preset gpu-long --device "$DEVICE" --here \
+            --threads 8 --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" --startup-runs 0 --precision bf16 --seeds 42 \
+            --out "$WORK/long" 2>&1 | tee "$OUT/step.log"
+        grep -h "memory/\|Error\|error" "$WORK"/long/*.log 2>/dev/null | tail -n 12 | tee -a "$OUT/step.log" ;;
+    gpu)
+        common=(--src src --preset gpu --device "$DEVICE" --here --threads 8 --steps "${STEPS:-10}" --warmup 3 --startup-runs 0)
+        timeout "${FP32_LIMIT:-330}" $PY bench/vs_trl.py "${common[@]}" --seeds 42 --out "$WORK/fp32" 2>&1 | tee "$OUT/fp32.log"
+        timeout "${BF16_LIMIT:-200}" $PY bench/vs_trl.py "${common[@]}" --precision bf16 --seeds 42 --out "$WORK/bf16" 2>&1 | tee "$OUT/bf16.log" ;;
+    esac
+done
 true

@@ -272,7 +272,11 @@ def test_falls_back_when_not_sure_it_is_exact(models):
     lora_like.model.layers[0].self_attn.q_proj = Wrapper(lora_like.model.layers[0].self_attn.q_proj)
     assert "expected" in FastDecoder.unsupported_reason(lora_like, 64)
 
-    assert "bfloat16" in FastDecoder.unsupported_reason(from_config(CONFIGS["mistral"]()).bfloat16(), 64)
+    assert FastDecoder.unsupported_reason(from_config(CONFIGS["mistral"]()).bfloat16(), 64) is None
+    assert "float64" in FastDecoder.unsupported_reason(from_config(CONFIGS["mistral"]()).double(), 64)
+    mixed = from_config(CONFIGS["mistral"]())
+    mixed.lm_head.bfloat16()
+    assert "several dtypes" in FastDecoder.unsupported_reason(mixed, 64)
     gpt2 = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     assert "not Llama" in FastDecoder.unsupported_reason(AutoModelForCausalLM.from_config(gpt2), 64)
     dynamic = LlamaConfig(**_COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
@@ -427,3 +431,22 @@ def test_hf_path_without_mask_for_unpadded_prompts_equals_hf_generate(models, mo
         pad_token_id=PAD_TOKEN_ID,
     )[:, ids.shape[1] :]
     assert torch.equal(ours.completion_ids, ref[:, : ours.completion_ids.shape[1]])
+
+
+@pytest.mark.parametrize("name", ["llama-bias-llama3-rope", "qwen3", "mistral"])
+def test_bfloat16_weights_give_the_hf_forwards_logits(name):
+    """bfloat16 (and float16) models take the fast path: its norms in float32 cast back before the weight,
+    RoPE's tables in the model's dtype, as the HF modules do; on the CPU the same logits as the HF
+    forward in bfloat16, prefill and decode steps (its own error against float32 is ~1e-2: bfloat16's)."""
+    model = from_config(CONFIGS[name]()).bfloat16()
+    prompts = random_prompts(5, seed=0, lo=1, hi=12)
+    ids, mask = left_pad(prompts, PAD_TOKEN_ID, "cpu")
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    tokens = torch.randint(2, VOCAB, (5, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        ref = hf_logits(model, ids, mask, positions, tokens)
+        decoder = FastDecoder(model)
+        got = [decoder.prefill(ids, mask, positions, 6)]
+        got += [decoder.step(tokens[:, t], mask.sum(dim=1) + t) for t in range(6)]
+    assert decoder.k_cache[0].dtype == torch.bfloat16
+    assert float((torch.stack(got, dim=1) - ref).abs().max()) < 1e-6

@@ -43,10 +43,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpufleet.engine import cpu_kernels
+from gpufleet.engine import cpu_kernels, decodecompile, gpuattention
 from gpufleet.engine.fastdecode_check import sliding_window, structure_reason, unsupported_reason
 from gpufleet.engine.fastdecode_native import NativeStep
-from gpufleet.engine.fastdecode_ops import PROJECTIONS, Layer, Linear, Norm, distinct_rows, rope
+from gpufleet.engine.fastdecode_ops import (
+    PROJECTIONS,
+    Layer,
+    Linear,
+    Norm,
+    attention_inputs,
+    distinct_rows,
+    mlp_block,
+)
 from gpufleet.engine.graphdecode import GraphStep
 
 __all__ = ["FastDecoder"]
@@ -107,6 +115,7 @@ class FastDecoder:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_mask: torch.Tensor | None = None
+        self.start: torch.Tensor | None = None  # (B,) each row's first real slot, where gpuattention runs
         self.cos_table = self.sin_table = torch.empty(0)
         self.length = 0
 
@@ -136,24 +145,8 @@ class FastDecoder:
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-    def _qkv(
-        self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (..., H, D) and k, v (..., H_kv, D) of normed hidden states h (..., hidden); q, k rotated."""
-        qk_heads = self.heads + self.kv_heads
-        qkv = layer.qkv(h).unflatten(-1, (qk_heads + self.kv_heads, self.head_dim))
-        qk, v = qkv[..., :qk_heads, :], qkv[..., qk_heads:, :]
-        if layer.qk_norm is not None:  # Qwen3: q_norm / k_norm over head_dim, before RoPE
-            qk = layer.qk_norm(qk)
-        qk = rope(qk, cos, signed_sin)
-        return qk[..., : self.heads, :], qk[..., self.heads :, :], v
-
-    def _mlp_block(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """x + MLP(post_attention_layernorm(x)): ``down(silu(gate(h)) * up(h))``."""
-        gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        dtype = self.embed.dtype  # HF casts them to the hidden states' dtype
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, V) float32 logits of the last position's hidden states (B, hidden), contiguous (on a
@@ -252,6 +245,9 @@ class FastDecoder:
                 self.key_mask = self.key_mask.index_select(0, inverse)
         if self.native is not None:
             self.native.bind(self)
+        self.start = None
+        if gpuattention.usable(input_ids.device):  # the left padding of each row: its keys begin there
+            self.start = (attention_mask == 0).sum(dim=1)
         self.graph = GraphStep(self) if GraphStep.wanted(self) else None
         return logits
 
@@ -293,7 +289,7 @@ class FastDecoder:
         for i, (layer, k_cache, v_cache) in enumerate(
             zip(self.layers, self.k_cache, self.v_cache, strict=True)
         ):
-            q, k, v = self._qkv(layer, layer.input_norm(x), cos, signed_sin)
+            q, k, v = attention_inputs(layer, x, cos, signed_sin, self.heads, self.kv_heads, self.head_dim)
             k_cache[:, :, :width] = to_padded(k).transpose(1, 2)
             v_cache[:, :, :width] = to_padded(v).transpose(1, 2)
             if i == len(self.layers) - 1:
@@ -313,7 +309,7 @@ class FastDecoder:
                     scale=self.scaling,
                 )
                 x = x + layer.o_proj(to_packed(out.transpose(1, 2)).flatten(1))
-            x = self._mlp_block(layer, x)
+            x = mlp_block(layer, x)
         self.length = width
         return self._logits(x)
 
@@ -332,6 +328,8 @@ class FastDecoder:
                 caches[i] = cache[:n]
         if self.key_mask is not None:
             self.key_mask = self.key_mask.index_select(0, rows)
+        if self.start is not None:
+            self.start = self.start.index_select(0, rows)
 
     def step(self, token: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,) at ``position_ids`` (B,) or (B, 1); return next-token logits (B, V).
@@ -364,14 +362,20 @@ class FastDecoder:
         cos, signed_sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
         x = F.embedding(token, self.embed)
         length = slot + 1 if isinstance(slot, int) else None
+        if self.start is not None and length is not None:  # gpuattention reads the slot from the device
+            slot = torch.tensor([slot], device=x.device)
+        pre, tail = decodecompile.pieces(x.device)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
-            q, k, v = self._qkv(layer, layer.input_norm(x), cos, signed_sin)
-            if length is None:
+            q, k, v = pre(layer, x, cos, signed_sin, self.heads, self.kv_heads, self.head_dim)
+            if isinstance(slot, torch.Tensor):
                 k_cache.index_copy_(2, slot, k.unsqueeze(2))
                 v_cache.index_copy_(2, slot, v.unsqueeze(2))
             else:
                 k_cache[:, :, slot] = k
                 v_cache[:, :, slot] = v
-            x = x + layer.o_proj(self._attend_last(q, k_cache, v_cache, length))
-            x = self._mlp_block(layer, x)
+            if self.start is not None:
+                attended = gpuattention.attend(q, k_cache, v_cache, self.start, slot, self.scaling)
+            else:
+                attended = self._attend_last(q, k_cache, v_cache, length)
+            x = tail(layer, x, attended)
         return self._logits(x)

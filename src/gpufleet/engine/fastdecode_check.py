@@ -2,7 +2,8 @@
 
 ``FastDecoder.unsupported_reason(model, max_length)`` says why a model must take the HF path instead. It
 is conservative: anything but exactly the plain HF classes (subclasses, FSDP/DDP or PEFT wrappers,
-patched ``forward``, forward hooks, hub kernels), a parameter that is not a local float32 tensor,
+patched ``forward``, forward hooks, hub kernels), parameters that are not local tensors of one dtype
+(float32, bfloat16 or float16),
 autocast, training mode, a bidirectional config, a RoPE type whose frequencies change with the sequence
 length (any type not in ``_STATIC_ROPE_TYPES``, e.g. ``dynamic``, ``longrope``), partial rotary
 embeddings, a sliding window narrower than the sequence, an activation other than SiLU, or an attention
@@ -129,14 +130,17 @@ def _modules_reason(model: torch.nn.Module, cls: dict[str, type]) -> str | None:
 
 
 def _parameters_reason(model: torch.nn.Module, cls: dict[str, type]) -> str | None:
-    """Plain local float32 parameters on one device, no autocast."""
+    """Plain local parameters of one floating dtype (float32, bfloat16 or float16) on one device, no
+    autocast."""
     params = list(model.parameters())
-    device = params[0].device
+    device, dtype = params[0].device, params[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"{dtype} parameters (the fast path takes float32, bfloat16 or float16)"
     for p in params:
         if type(p.data) is not torch.Tensor or p.is_meta:
             return "parameters are not plain local tensors (sharded or on the meta device)"
-        if p.dtype != torch.float32:
-            return f"a {p.dtype} parameter (the fast path is float32 only)"
+        if p.dtype != dtype:
+            return f"parameters of several dtypes ({dtype} and {p.dtype})"
         if p.device != device:
             return "parameters span several devices"
     if torch.is_autocast_enabled(device.type):
@@ -157,7 +161,7 @@ def _shapes_reason(model: torch.nn.Module, cls: dict[str, type]) -> str | None:
     if heads % kv_heads:
         return "the query heads are not a multiple of the key/value heads"
     dim = layers[0].self_attn.head_dim
-    if dim % 2 or rotary.inv_freq.shape != (dim // 2,) or rotary.inv_freq.dtype != torch.float32:
+    if dim % 2 or rotary.inv_freq.shape != (dim // 2,) or not rotary.inv_freq.is_floating_point():
         return "partial rotary embedding"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp

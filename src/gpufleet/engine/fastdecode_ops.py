@@ -11,7 +11,17 @@ import torch.nn.functional as F
 
 from gpufleet.engine import cpu_kernels
 
-__all__ = ["PROJECTIONS", "Norm", "Linear", "Layer", "rope", "distinct_rows"]
+__all__ = [
+    "PROJECTIONS",
+    "Norm",
+    "Linear",
+    "Layer",
+    "rope",
+    "distinct_rows",
+    "attention_inputs",
+    "mlp_block",
+    "decode_tail",
+]
 
 _FEW_ROWS = 64
 """On a GPU, matmuls of up to this many rows (decode steps) take the transposed form (``Linear``)."""
@@ -40,13 +50,16 @@ class Norm:
         return cls(module.weight, module.variance_epsilon)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """bfloat16 / float16 inputs are normed in float32 and cast back before the weight, as HF does
+        (for float32 the casts are no-ops)."""
         if x.is_cuda:  # one fused kernel instead of seven: within 5e-7 of the formula (on an H200)
             shape = (x.shape[-1],)
-            if self.per_head:
-                return F.rms_norm(x, shape, None, self.eps_value) * self.weight
-            return F.rms_norm(x, shape, self.weight, self.eps_value)
-        scale = x.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
-        return self.weight * (x * scale)
+            if x.dtype == torch.float32 and not self.per_head:
+                return F.rms_norm(x, shape, self.weight, self.eps_value)
+            return self.weight * F.rms_norm(x.float(), shape, None, self.eps_value).to(x.dtype)
+        wide = x.float()
+        scale = wide.pow(2).sum(-1, keepdim=True).div_(self.size).add_(self.eps).rsqrt_()
+        return self.weight * (wide * scale).to(x.dtype)
 
 
 class Linear:
@@ -153,3 +166,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     ``= roll(x, D/2) * cat(-s, s)``: ``signed_sin`` is ``cat(-s, s)``; negation is exact.
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def attention_inputs(
+    layer: Layer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (..., H, D) and k, v (..., H_kv, D) of hidden states x (..., hidden): the input norm, q/k/v,
+    Qwen3's q/k norms, RoPE on q and k (``*Attention.forward`` up to the attention)."""
+    qk_heads = heads + kv_heads
+    qkv = layer.qkv(layer.input_norm(x)).unflatten(-1, (qk_heads + kv_heads, head_dim))
+    qk, v = qkv[..., :qk_heads, :], qkv[..., qk_heads:, :]
+    if layer.qk_norm is not None:  # Qwen3: q_norm / k_norm over head_dim, before RoPE
+        qk = layer.qk_norm(qk)
+    qk = rope(qk, cos, signed_sin)
+    return qk[..., :heads, :], qk[..., heads:, :], v
+
+
+def mlp_block(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    """x + MLP(post_attention_layernorm(x)): ``down(silu(gate(h)) * up(h))``."""
+    gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+    return x + layer.down(F.silu(gate) * up)
+
+
+def decode_tail(layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after its attention (B, H*D): the output projection, the residual,
+    the MLP block."""
+    return mlp_block(layer, x + layer.o_proj(attended))

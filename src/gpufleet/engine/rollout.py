@@ -37,6 +37,7 @@ import torch
 
 from gpufleet.engine import nativeloop
 from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.graphdecode import GraphStep
 from gpufleet.engine.sampling import pick, row_uniforms
 from gpufleet.engine.switches import switched_off
 
@@ -213,6 +214,11 @@ def generate(
         model.train(was_training)
 
 
+_CHECK_EVERY = 8
+"""Where the decode step is a CUDA graph replay, the loop asks whether all rows are done (a host sync that
+stalls the GPU's queue) every this many steps."""
+
+
 def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None:
     """A ``FastDecoder`` over ``model``'s current weights, or None where the HF forward must run.
 
@@ -270,8 +276,9 @@ def _decode(
             u = uniforms[:, t] if uniforms is not None else None
             return pick(logits, early if t < min_new_tokens else never, u, temperature, top_p, top_k)
 
+        every = _CHECK_EVERY if all_done is None and decoder is not None and GraphStep.wanted(decoder) else 1
         completion_ids, completion_mask = _loop(
-            forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done
+            forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done, every
         )
     lengths = completion_mask.sum(dim=1)
     has_eos = (completion_ids == eos_token_id).logical_and(completion_mask.bool()).any(dim=1)
@@ -285,10 +292,13 @@ def _decode(
     )
 
 
-def _loop(forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done):
+def _loop(forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id, all_done, every=1):
     """The decode loop in torch operations: (completion ids, completion mask), each (B, steps).
     ``forward(t, step_input, positions, done)``: step t's logits; ``sample(logits, t)``: its tokens;
-    ``mask`` (B, prompt + max new tokens): the prompt's mask, then each step's live rows (filled here)."""
+    ``mask`` (B, prompt + max new tokens): the prompt's mask, then each step's live rows (filled here).
+    ``every``: ask whether every row is done (a host sync) after every ``every``-th step only; steps
+    run past the last row's EOS are cut off at the end (their rows are all done: pads, mask 0), so the
+    result is the same as checking every step."""
     batch, width = prompt_mask.shape
     max_new_tokens = mask.shape[1] - width
     device = prompt_mask.device
@@ -304,13 +314,18 @@ def _loop(forward, sample, prompt, prompt_mask, mask, eos_token_id, pad_token_id
         mask[:, width + t] = (~done).long()
         done |= token == eos_token_id
         steps = t + 1
-        finished = bool(done.all())
+        if steps % every and steps < max_new_tokens:
+            finished = False
+        else:
+            finished = bool(done.all())
         if all_done is not None:
             finished = all_done(finished)
         if finished:
             break
         step_input, positions = token.unsqueeze(1), next_pos
         next_pos = next_pos + 1
+    if every > 1:  # the steps after every row was done: none of their columns is live
+        steps = int(mask[:, width : width + steps].any(dim=0).nonzero().max()) + 1
     return out[:, :steps].clone(), mask[:, width : width + steps].clone()
 
 
