@@ -1,5 +1,7 @@
 """`builtin:vault` (env/vault.py): the answer is the key only the tool knows; the shaping reward credits
-the right call's prefix; the example job learns it (slow)."""
+the right call's prefix; examples/agent-tools.yaml runs from the installed CLI in a user's folder (fast)
+and starts learning the call (slow). The whole learning curve (~0 -> >= 0.8, 3 seeds) takes longer than a
+test may: it is measured in docs/agents-with-tools.md."""
 
 from __future__ import annotations
 
@@ -9,67 +11,71 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.env.vault import VaultEnv, call_shape, key
+from gpufleet.env.vault import KEYS, VaultEnv, call_shape, k
+from helpers import run_user, sets
 
-ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent-tools.yaml"
 
 
-def test_the_key_comes_from_the_number_only_and_the_env_checks_it():
-    keys = {key(n) for n in range(10, 100)}
-    assert keys <= set(string.ascii_lowercase) and len(keys) > 15  # not guessable from a few letters
+def test_the_key_comes_from_the_tool_only_and_the_env_checks_it():
+    assert len(set(KEYS)) == 10 and set(KEYS) <= set(string.ascii_lowercase)  # one letter fits 1 vault in 10
+    seen = {VaultEnv().reset(seed=s)[0] for s in range(200)}
+    assert seen == {f"{n}:" for n in range(10)}
     env = VaultEnv()
     obs, _ = env.reset(seed=3)
-    assert obs == f"{int(obs[:-1])}:" and VaultEnv().reset(seed=3)[0] == obs
-    right = key(int(obs[:-1]))
+    assert VaultEnv().reset(seed=3)[0] == obs
+    right = k(int(obs[:-1]))
     assert env.step(right + "xyz")[1:4] == (1.0, True, False)
     env.reset(seed=3)
     wrong = next(c for c in string.ascii_lowercase if c != right)
     _, reward, done, _, info = env.step(wrong)
     assert (reward, done, info["success"]) == (0.0, True, False)
-    with pytest.raises(ValueError):
-        key(7)
+    for bad in (10, -1):
+        with pytest.raises(ValueError):
+            k(bad)
 
 
 def test_call_shape_credits_the_right_calls_prefix():
-    assert call_shape(["41:"], ["[key n=41]T:q\nA:q"]) == [1.0]
-    assert call_shape(["41:"], ["[k========"]) == [0.2]
-    assert call_shape(["41:"], ["x[key n=41]"]) == [0.0]
-    assert call_shape(["41:", "41:"], ["", "[ke"]) == [0.0, 0.3]  # saying nothing earns nothing
+    assert call_shape(["7:"], ["[k n=7]T:q\nA:q"]) == [1.0]
+    assert call_shape(["7:"], ["[k n=3]"]) == [6.5 / 7]  # the wrong vault: a digit counts half
+    assert call_shape(["7:"], ["[k n=n=]"]) == [5 / 7]  # no digit where it goes: the match stops
+    assert call_shape(["7:"], ["x[k n=7]"]) == [0.0]
+    assert call_shape(["7:", "7:"], ["", "[k"]) == [0.0, 2 / 7]  # saying nothing earns nothing
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_agent_tools_example_runs_from_the_cli(tmp_path):
+    """examples/agent-tools.yaml, a few small steps, from the installed CLI in a user's folder."""
+    p = run_user(
+        "train",
+        str(EXAMPLE),
+        *sets("output.dir=run", "train.max_steps=2", "train.per_device_batch=16", "train.log_every=1"),
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("rewards/call_shape/mean", "rewards/env/mean", "tools/call_frequency", "env/success_rate"):
+        assert key in rows[-1], key
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
-def test_agent_tools_example_learns_to_call_the_tool(tmp_path):
-    """examples/agent-tools.yaml from the installed CLI in a user's folder: episodes call the tool and the
-    call's form starts being learned. Only that: the run is fragile (seed 0 reached "[key" by step 300
-    with several OpenMP threads, "[k" then a detour through guessing the commonest key with one), and
-    the key itself is never reached in 300 steps (see the example's header) -- not the 0.8 the issue
-    asks for."""
-    import subprocess
-
-    from helpers import console_script, process_env
-
-    run = tmp_path / "run"
-    p = subprocess.run(
-        [
-            console_script(),
-            "train",
-            str(ROOT / "examples" / "agent-tools.yaml"),
-            "--set",
-            f"output.dir={run}",
-        ],
-        capture_output=True,
-        text=True,
-        env=process_env(),
-        cwd=tmp_path,
-        timeout=3000,
+def test_agent_tools_example_starts_learning_the_call(tmp_path):
+    """The example's first 60 steps: the first character of the call is found and kept (call_shape from
+    ~0 to >= 1/7), and the episodes call the tool."""
+    p = run_user(
+        "train", str(EXAMPLE), *sets("output.dir=run", "train.max_steps=60"), cwd=tmp_path, timeout=1200
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    windows = [rows[i : i + 25] for i in range(0, len(rows), 25)]
+    rows = _rows(tmp_path / "run")
 
     def mean(rows, key):
         return sum(r[key] for r in rows) / len(rows)
 
-    assert mean(windows[0], "rewards/call_shape/mean") < 0.05
-    assert max(mean(w, "rewards/call_shape/mean") for w in windows) >= 0.1  # "[k" of "[key n=41]"
-    assert max(mean(w, "tools/call_frequency") for w in windows) >= 0.5
+    assert mean(rows[:5], "rewards/call_shape/mean") < 0.05
+    assert mean(rows[-10:], "rewards/call_shape/mean") >= 1 / 7  # "[" of "[k n=7]"
+    assert mean(rows[-10:], "tools/call_frequency") >= 0.5

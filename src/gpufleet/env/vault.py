@@ -1,45 +1,56 @@
 """`builtin:vault` -- a task whose answer is only reachable through a tool call (env.format: chat).
 
-Each episode shows a vault number; its key is a letter only the tool `key` knows (a hash of the number,
-26 letters, 90 numbers: a tiny model cannot guess it, 1 in 26):
+Each episode shows a vault number (0-9); its key is a letter only the tool `k` knows (the 10 vaults have
+10 different keys, drawn once from a-z: nothing in the prompt tells them apart, and one letter written
+every time is right 1 time in 10):
 
-    tools: key(n)                 <- the chat template offers the tool (rollout.tools: [gpufleet.env.vault:key])
-    U:41:                         <- observation: the vault number
-    A:[key n=41]<eos>             <- turn 1 (policy): the tool call
+    tools: k(n)                   <- the chat template offers the tool (rollout.tools: [gpufleet.env.vault:k])
+    U:7:                          <- observation: the vault number
+    A:[k n=7]                     <- turn 1 (policy): the tool call
     T:q                           <- the tool's answer (spliced by the template, not trained)
     A:q                           <- turn 2 (policy): the answer, checked by the environment
 
 The environment sees only turns without tool calls: the first such turn is the answer (reward 1 when
 its first character is the key, `success`), and ends the episode. `call_shape` is a shaping reward
-function for the job's reward.functions: the share of the right call (`[key n=41]`) that the first
-action starts with, so that a randomly initialised model finds the call's form character by character.
-(Crediting each position on its own instead collapsed a run onto `[k========`: `=` is right at one
-position, and was then written at all of them.)
+function for the job's reward.functions: the share of the right call (`[k n=7]`) that the first action
+starts with, so that a randomly initialised model finds the call's form character by character; a wrong
+digit counts half. (With the prefix alone, each of 3 seeds learned `[k n` or `[k n=` in ~150 steps and
+then wrote `n`, `=` or ` ` again where the digit goes -- `[k n=n=`, `[k nnnn` --: the calls never parsed,
+every episode of a group earned the same, and GRPO had no signal left.)
+
+Why this shape: a random-init character model writes a given character about 1 time in 87, and the call
+must be found one character at a time (measured: about 25 steps per character with 256 episodes a step);
+the short tool name and the one-digit number keep it to 7 characters, and a one-digit number is copied
+from the prompt as one character. (Two-digit numbers and the tool `key` -- `[key n=41]`, 10 characters
+and two copies -- were not learned in 600 steps of 64 episodes. Crediting each position on its own
+instead of the prefix collapsed a run onto `[k========`: `=` is right at one position, and was then
+written at all of them.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import string
 from typing import Any
 
-LOW, HIGH = 10, 99
+VAULTS = 10
+KEYS = random.Random("vault").sample(string.ascii_lowercase, VAULTS)
+"""The key of vault n is KEYS[n]: 10 different letters."""
 
 
-def key(n: int) -> str:
-    """The key of vault number n.
+def k(n: int) -> str:
+    """The key of vault n.
 
     Args:
         n: The vault number.
     """
-    if not LOW <= int(n) <= HIGH:
+    if not 0 <= int(n) < VAULTS:
         raise ValueError(f"no vault {n}")
-    return string.ascii_lowercase[hashlib.sha256(f"vault:{int(n)}".encode()).digest()[0] % 26]
+    return KEYS[int(n)]
 
 
 class VaultEnv:
-    """`builtin:vault`: a vault number per episode; the answer is its key (the tool `key` knows it)."""
+    """`builtin:vault`: a vault number per episode; the answer is its key (the tool `k` knows it)."""
 
     instructions = ""
 
@@ -47,24 +58,28 @@ class VaultEnv:
         self._n: int | None = None
 
     def reset(self, *, seed: int, options: Any = None) -> tuple[str, dict]:
-        self._n = random.Random(f"vault:{seed}").randint(LOW, HIGH)
+        self._n = random.Random(f"vault:{seed}").randrange(VAULTS)
         return f"{self._n}:", {}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         if self._n is None:
             raise RuntimeError("step() before reset() or after the episode ended")
-        right = action.strip()[:1] == key(self._n)
+        right = action.strip()[:1] == k(self._n)
         self._n = None
         return "", float(right), True, False, {"success": right, "invalid_action": not action.strip()}
 
 
 def call_shape(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """Per episode: how much of the right call (`[key n=41]`) the transcript starts with, as a share of it."""
+    """Per episode: how much of the right call (`[k n=7]`) the transcript starts with, as a share of it; a
+    wrong digit counts half and the match goes on (`[k n=3]` for vault 7: 6.5 / 7)."""
     out = []
     for prompt, completion in zip(prompts, completions, strict=True):
-        target = f"[key n={prompt.strip().rstrip(':')}]"
-        n = 0
-        while n < min(len(completion), len(target)) and completion[n] == target[n]:
-            n += 1
-        out.append(n / len(target))
+        target = f"[k n={prompt.strip().rstrip(':')}]"
+        score = 0.0
+        for i, want in enumerate(target[: len(completion)]):
+            got = completion[i]
+            if got != want and not (want.isdigit() and got.isdigit()):
+                break
+            score += 1.0 if got == want else 0.5
+        out.append(score / len(target))
     return out
