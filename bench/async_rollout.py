@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/async_rollout.py          # timing: 3 seeds x 60 steps x 4 layouts; learning: 3 x 200 x 2
     .venv/bin/python bench/async_rollout.py --steps 3 --warmup 1 --seeds 0,1 --learn-steps 3 --batch 8 --tokens 8
+    .venv/bin/python bench/async_rollout.py --no-learning --src old=/tmp/old/src --src new=/tmp/new/src  # codes
 
 Runs the installed `gpufleet train` (this checkout's .venv) from a work folder, one job in several
 layouts, seed by seed (the order rotates): (a) `colocated`: 1 process samples and trains in lock-step;
@@ -21,7 +22,9 @@ process (from /proc: a process waiting in a gloo collective uses none) and how b
 CPU per step, the busiest process's or in lock-step the sum, over the colocated one's), the hidden fraction of the shorter phase (T_gen + T_train -
 T_async) / min(T_gen, T_train) from the colocated medians, the AUC per seed with Welch's t and a
 bootstrap CI (bench/stats.py), and timing/weight_sync per step with a 7B's push over NVLink and PCIe
-(computed from bytes / bandwidth, not measured). No assertions on time.
+(computed from bytes / bandwidth, not measured). No assertions on time. With --src CODE=DIR (a `git archive`
+of some commit's src, on PYTHONPATH) each layout runs with each code, adjacent (`async@new`), ratios to the
+first code's colocated run.
 """
 
 from __future__ import annotations
@@ -44,11 +47,9 @@ from stats import auc, bootstrap_ci, mean, med, sd, welch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUFLEET = ROOT / ".venv" / "bin" / "gpufleet"
-LAYOUTS: dict[str, tuple[str, ...]] = {
-    "colocated": (),
-    "lockstep": ("placement.rollout=1", "rollout.async_steps=0"),
-    "async": ("placement.rollout=1", "rollout.async_steps=1"),
-}
+ROLLOUT_RANK = ("placement.rollout=1",)
+LAYOUTS = {"colocated": (), "lockstep": (*ROLLOUT_RANK, "rollout.async_steps=0")}
+LAYOUTS["async"] = (*ROLLOUT_RANK, "rollout.async_steps=1")
 LAYOUTS["async_no_is"] = (*LAYOUTS["async"], "algorithm.importance_sampling_correction=false")
 TICK = os.sysconf("SC_CLK_TCK")
 SEVEN_B = 7.6e9  # Qwen2.5-7B's parameters
@@ -191,13 +192,17 @@ class CpuWatch(threading.Thread):
         return {"seconds": dt, "cores": per, "per_step": per_step, "machine": machine, "others": others}
 
 
-def train(j: BenchJob, work: Path, layout: str, seed: int) -> dict:
-    """One `gpufleet train` of job `j` in `layout`; its metrics, the CPU it used and the load around it."""
-    name = f"{j.name}-{layout}-seed{seed}"
+def train(j: BenchJob, work: Path, layout: str, seed: int, src: str | None = None) -> dict:
+    """One `gpufleet train` of job `j` in `layout` (`LAYOUT@CODE`: with --src CODE's package); its metrics,
+    the CPU it used and the load around it."""
+    name = f"{j.name}-{layout.replace('@', '-')}-seed{seed}"
     out = work / "runs" / name
-    sets = [f"output.dir={out}", f"train.seed={seed}", f"train.max_steps={j.steps}", *LAYOUTS[layout]]
+    sets = [f"output.dir={out}", f"train.seed={seed}", f"train.max_steps={j.steps}"]
+    sets += LAYOUTS[layout.split("@")[0]]
     env = {k: v for k, v in os.environ.items() if not (k.startswith("GPUFLEET_") and "__" in k)}
     env.pop("PYTHONPATH", None)
+    if src:  # this copy of the package instead of the checkout's (PYTHONPATH comes before the editable path)
+        env["PYTHONPATH"] = src
     env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [str(GPUFLEET), "train", f"{j.name}.yaml", *[x for s in sets for x in ("--set", s)]]
     load = os.getloadavg()[0]
@@ -270,37 +275,35 @@ def timing_summary(j: BenchJob, runs: dict[str, list[dict]], med_of: dict[str, l
     print(f"\n[async_rollout] medians over seeds of the per-run medians (steps {j.warmup + 1}..{j.steps}):")
     agg = {lay: {k: med([m[k] for m in ms]) for k in ms[0]} for lay, ms in med_of.items()}
     for lay, m in agg.items():
+        lock = lay.startswith("lockstep")
         print(
             f"  {lay:11s}: step {m['step'] * 1e3:6.1f} ms  generate {m['generate'] * 1e3:6.1f}  train {m['train'] * 1e3:6.1f}"
             f" (score {m['score'] * 1e3:5.1f})  weight_sync {m['weight_sync'] * 1e3:5.2f}  rollout_wait {m['rollout_wait'] * 1e3:5.1f}"
-            f"  generate - sync - wait {m['unattributed'] * 1e3:5.1f}  critical path {cpu_per_step(runs[lay], lay != 'lockstep') * 1e3:5.1f} ms CPU/step"
+            f"  generate - sync - wait {m['unattributed'] * 1e3:5.1f}  critical path {cpu_per_step(runs[lay], not lock) * 1e3:5.1f} ms CPU/step"
         )
-    if "colocated" not in agg:
+    base = next((x for x in agg if x.split("@")[0] == "colocated"), None)  # with --src: the first code's
+    if base is None:
         return
-    c0 = agg["colocated"]
-    for lay in [x for x in agg if x != "colocated"]:
-        per_seed = [x["step"] / c["step"] for x, c in zip(med_of[lay], med_of["colocated"], strict=True)]
+    c0 = agg[base]
+    for lay in [x for x in agg if not x.startswith("colocated")]:
+        per_seed = [x["step"] / c["step"] for x, c in zip(med_of[lay], med_of[base], strict=True)]
         seeds = ", ".join(f"{r:.2f}" for r in per_seed)
-        projected = cpu_per_step(runs[lay], lay != "lockstep") / cpu_per_step(runs["colocated"])
+        projected = cpu_per_step(runs[lay], not lay.startswith("lockstep")) / cpu_per_step(runs[base])
         print(
-            f"  step time {lay} / colocated: {agg[lay]['step'] / c0['step']:.2f} measured (per seed, adjacent runs: {seeds});"
+            f"  step time {lay} / {base}: {agg[lay]['step'] / c0['step']:.2f} measured (per seed, adjacent runs: {seeds});"
             f" {projected:.2f} projected for an idle machine (critical path's CPU/step over the colocated one's)"
         )
-    t_gen, t_train = c0["generate"], c0["train"]
-    print(
-        f"  colocated: generate / train = {t_gen / t_train:.2f} ({t_gen * 1e3:.1f} vs {t_train * 1e3:.1f} ms)"
-    )
-    if "async" in agg:
-        t_async = agg["async"]["step"]
-        hidden = (t_gen + t_train - t_async) / min(t_gen, t_train)
+    g, t = c0["generate"], c0["train"]
+    print(f"  colocated: generate / train = {g / t:.2f} ({g * 1e3:.1f} vs {t * 1e3:.1f} ms)")
+    for lay in [x for x in agg if x.split("@")[0] == "async"]:
+        t_async = agg[lay]["step"]
+        hidden = (g + t - t_async) / min(g, t)
         print(
-            f"  hidden fraction of the shorter phase: (T_gen + T_train - T_async) / min(T_gen, T_train) = "
-            f"({t_gen * 1e3:.1f} + {t_train * 1e3:.1f} - {t_async * 1e3:.1f}) / {min(t_gen, t_train) * 1e3:.1f} = {hidden:.2f}"
+            f"  {lay}: hidden fraction of the shorter phase: (T_gen + T_train - T_async) / min(T_gen, T_train) = "
+            f"({g * 1e3:.1f} + {t * 1e3:.1f} - {t_async * 1e3:.1f}) / {min(g, t) * 1e3:.1f} = {hidden:.2f}"
         )
-        ratio = t_async / c0["step"]
-        print(
-            f"  goal async / colocated <= 0.65: {'met' if ratio <= 0.65 else 'NOT met'} ({ratio:.2f} measured)"
-        )
+        r = t_async / c0["step"]
+        print(f"  goal {lay} / {base} <= 0.65: {'met' if r <= 0.65 else 'NOT met'} ({r:.2f} measured)")
 
 
 def learning_summary(runs: dict[str, list[dict]]) -> None:
@@ -328,7 +331,8 @@ def learning_summary(runs: dict[str, list[dict]]) -> None:
 
 def sync_summary(runs: dict[str, list[dict]], med_of: dict[str, list[dict]]) -> None:
     """The measured push of this model, and a 7B's computed from its bytes and link bandwidths."""
-    lay = "async" if "async" in runs else "lockstep" if "lockstep" in runs else None
+    lay = next((x for x in runs if x.split("@")[0] == "async"), None)
+    lay = lay or next((x for x in runs if x.split("@")[0] == "lockstep"), None)
     if lay is None:
         return
     params = safetensors_params(runs[lay][0]["out"] / "final")
@@ -351,8 +355,13 @@ def sync_summary(runs: dict[str, list[dict]], med_of: dict[str, list[dict]]) -> 
         print(f"    {link} {lo / 1e9:.0f}-{hi / 1e9:.0f} GB/s: {ms} per step")
 
 
-def run_all(j: BenchJob, layouts: list[str], seeds: list[int], work: Path) -> tuple[dict, dict]:
-    """Job `j` in every layout, seed by seed (the first layout rotates), one line per run."""
+def run_all(
+    j: BenchJob, layouts: list[str], seeds: list[int], work: Path, srcs: dict[str, str] | None = None
+) -> tuple[dict, dict]:
+    """Job `j` in every layout (with `srcs`, every layout with each code: `LAYOUT@CODE`, adjacent), seed by
+    seed (the first run rotates), one line per run."""
+    srcs = srcs or {}
+    layouts = [f"{lay}@{code}" for lay in layouts for code in srcs] if srcs else layouts
     (work / f"{j.name}.yaml").write_text(job_yaml(j))
     print(
         f"\n[async_rollout] job {j.name}: builtin:{j.model}, {j.batch} completions/step ({j.batch // j.generations} "
@@ -365,7 +374,7 @@ def run_all(j: BenchJob, layouts: list[str], seeds: list[int], work: Path) -> tu
     for i, seed in enumerate(seeds):
         order = layouts[i % len(layouts) :] + layouts[: i % len(layouts)]
         for lay in order:
-            run = train(j, work, lay, seed)
+            run = train(j, work, lay, seed, srcs.get(lay.partition("@")[2]))
             m = medians(run, j.warmup)
             runs[lay].append(run)
             med_of[lay].append(m)
@@ -384,18 +393,16 @@ def main() -> None:
     )
     timing, learn = jobs(a)
     if a.steps:  # --steps 0: the learning job alone
-        runs, med_of = run_all(timing, a.layouts, a.seeds, work)
+        runs, med_of = run_all(timing, a.layouts, a.seeds, work, a.src)
         timing_summary(timing, runs, med_of)
-        if "colocated" in runs and "lockstep" in runs:  # the same samples and weights: the same figures
-            pairs = [
-                (x, y)
-                for c, k in zip(runs["colocated"], runs["lockstep"], strict=True)
-                for x, y in zip(c["rows"], k["rows"], strict=True)
-            ]
-            worst = max(abs(x[key] - y[key]) for x, y in pairs for key in ("reward", "entropy"))
-            print(
-                f"  lockstep vs colocated, same seed: largest reward or entropy difference at any step {worst:.2g}"
-            )
+        for code in [f"@{c}" for c in a.src] or [""]:  # lock-step: the same samples and weights, figures
+            pairs = zip(runs.get(f"colocated{code}", []), runs.get(f"lockstep{code}", []), strict=False)
+            rows = [(x, y) for c, k in pairs for x, y in zip(c["rows"], k["rows"], strict=True)]
+            if rows:
+                worst = max(abs(x[key] - y[key]) for x, y in rows for key in ("reward", "entropy"))
+                print(
+                    f"  lockstep{code} vs colocated{code}, same seed: largest reward or entropy difference at any step {worst:.2g}"
+                )
         sync_summary(runs, med_of)
     if a.learning:
         learned, _ = run_all(learn, [x for x in ("colocated", "async") if x in a.layouts], a.seeds, work)
@@ -405,27 +412,16 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints, words = (lambda s: [int(x) for x in s.split(",") if x]), (lambda s: [x for x in s.split(",") if x])
     ap.add_argument(
-        "--steps", type=int, default=60, help="optimizer steps per timing run (default 60; 0: no timing job)"
+        "--steps", type=int, default=60, help="steps per timing run (default 60; 0: no timing job)"
     )
-    ap.add_argument(
-        "--learn-steps", type=int, default=200, help="optimizer steps per learning run (default 200)"
-    )
+    ap.add_argument("--learn-steps", type=int, default=200, help="steps per learning run (default 200)")
     ap.add_argument(
         "--warmup", type=int, default=10, help="steps left out of the timing medians (default 10)"
     )
-    ap.add_argument(
-        "--seeds",
-        type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[0, 1, 2],
-        help="comma-separated train.seed values; every layout runs each (default 0,1,2)",
-    )
-    ap.add_argument(
-        "--layouts",
-        type=lambda s: [x for x in s.split(",") if x],
-        default=list(LAYOUTS),
-        help=f"comma-separated subset of {','.join(LAYOUTS)} (default all)",
-    )
+    ap.add_argument("--seeds", type=ints, default=[0, 1, 2], help="train.seed values, each in every layout")
+    ap.add_argument("--layouts", type=words, default=list(LAYOUTS), help=f"a subset of {','.join(LAYOUTS)}")
     ap.add_argument("--model", default="tiny-qwen2", help="timing job: a built-in model (default tiny-qwen2)")
     ap.add_argument("--batch", type=int, default=16, help="timing job: completions per step (default 16)")
     ap.add_argument("--generations", type=int, default=8, help="timing job: completions per prompt (8)")
@@ -433,7 +429,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3, help="timing job: learning rate (default 3e-3)")
     ap.add_argument("--no-learning", dest="learning", action="store_false", help="skip the learning job")
     ap.add_argument("--out", default=None, help="work folder (default: a new /tmp folder)")
+    code = "timing job: each layout also with the package in DIR (a `git archive` of a commit's src), as CODE"
+    ap.add_argument("--src", action="append", default=[], metavar="CODE=DIR", help=code)
     a = ap.parse_args()
+    if any("=" not in x for x in a.src):
+        ap.error(f"--src takes CODE=DIR, got {a.src}")
+    a.src = dict(x.split("=", 1) for x in a.src)
     unknown = [x for x in a.layouts if x not in LAYOUTS]
     if unknown or a.tokens < 2 or a.learn_steps < 2:
         ap.error(

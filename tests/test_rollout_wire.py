@@ -1,6 +1,7 @@
 """The messages between a policy rank and its rollout rank as tensors (rl/rolloutwire.py), over a real
-2-process gloo group: what one end sends is what the other gets, the sampling settings and a push's wire
-description travel only when they changed, answers keep their log-probs' dtype, a flush carries a count."""
+2-process gloo group: what one end sends is what the other gets (a long request in two messages, answers
+with and without sampling log-probs, nothing past the run's end, the goodbye after a stop), and the sampling
+settings and a push's wire description travel only when they changed."""
 
 from __future__ import annotations
 
