@@ -450,3 +450,37 @@ def test_bfloat16_weights_give_the_hf_forwards_logits(name):
         got += [decoder.step(tokens[:, t], mask.sum(dim=1) + t) for t in range(6)]
     assert decoder.k_cache[0].dtype == torch.bfloat16
     assert float((torch.stack(got, dim=1) - ref).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_a_float32_model_decodes_in_bfloat16_copies_as_the_cast_model(name):
+    """``decode_dtype`` (a GPU job's bf16 precision over float32 weights): the decoder's copies in bfloat16
+    give the logits and rollouts of the model cast to bfloat16, and the model keeps its float32 weights."""
+    model = from_config(CONFIGS[name]())
+    cast = from_config(CONFIGS[name]()).bfloat16()
+    cast.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq  # .bfloat16() rounds RoPE's too
+    prompts = random_prompts(5, seed=0, lo=1, hi=12)
+    ids, mask = left_pad(prompts, PAD_TOKEN_ID, "cpu")
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    tokens = torch.randint(2, VOCAB, (5, 6), generator=torch.Generator().manual_seed(5))
+
+    def logits(decoder: FastDecoder) -> torch.Tensor:
+        with torch.inference_mode():
+            out = [decoder.prefill(ids, mask, positions, 6)]
+            out += [decoder.step(tokens[:, t], mask.sum(dim=1) + t) for t in range(6)]
+        return torch.stack(out, dim=1)
+
+    copies = FastDecoder(model, dtype=torch.bfloat16)
+    assert copies.k_cache == [] and copies.embed.dtype == torch.bfloat16
+    assert torch.equal(logits(copies), logits(FastDecoder(cast)))
+    assert next(model.parameters()).dtype == torch.float32
+    kw = {
+        "seeds": [1, 2, 3, 4, 5],
+        "max_new_tokens": 8,
+        "eos_token_id": EOS_TOKEN_ID,
+        "pad_token_id": PAD_TOKEN_ID,
+    }
+    assert torch.equal(
+        generate(model, prompts, decode_dtype="bfloat16", **kw).completion_ids,
+        generate(cast, prompts, **kw).completion_ids,
+    )

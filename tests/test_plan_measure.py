@@ -295,8 +295,8 @@ def test_kv_cache_of_the_fast_decoder_exact(name, monkeypatch):
     made = []
     real = rollout._fast_decoder
 
-    def record(model, max_length):
-        made.append(real(model, max_length))
+    def record(model, max_length, dtype=None):
+        made.append(real(model, max_length, dtype))
         return made[-1]
 
     monkeypatch.setattr(rollout, "_fast_decoder", record)
@@ -351,3 +351,29 @@ def test_decoder_weight_copies_exact(name, limit, monkeypatch):
         arch, Precision("float32", "float32"), wrapped=False, cpu=True, panels=decoder.layout == "panels"
     )
     assert measured == planned and (measured > 0) == (decoder.layout != "views")
+
+
+@pytest.mark.parametrize("name", [*list(SHAPES)[:3], "llama (MLP biases)"])
+def test_decoder_copies_in_the_compute_dtype_exact(name):
+    """float32 weights decoded in bfloat16 (a GPU job's `train.precision: bf16`, rl/precision.py
+    `decode_dtype`): the planner counts every projection, the embedding and the head (once if tied) in
+    bfloat16, the bytes the decoder holds (norms aside: a few KB); its KV cache is in bfloat16 too."""
+    from gpufleet.engine import fastdecode
+    from gpufleet.plan import inference
+
+    raw = SHAPES.get(name) or {**SHAPES["llama (MHA 6/6, untied, biases)"], "mlp_bias": True}
+    model = build(raw).eval()
+    arch = arch_from_config(model.config.to_dict())
+    decoder = fastdecode.FastDecoder(model, dtype=torch.bfloat16)
+    linears = [
+        decoder.lm_head,
+        *(getattr(x, f) for x in decoder.layers for f in ("qkv", "o_proj", "gate_up", "down")),
+    ]
+    tensors = [decoder.embed, *(t for lin in linears for part in lin.parts for t in part if t is not None)]
+    measured = storage_bytes({t.untyped_storage().data_ptr(): t for t in tensors}.values())
+    mixed = Precision("float32", "bfloat16")
+    assert measured == inference.fast_decode_copies(arch, mixed, wrapped=False, cpu=False)
+    assert inference.decode_precision(arch, mixed, wrapped=False, cpu=False) == Precision(
+        "bfloat16", "bfloat16"
+    )
+    assert inference.decode_precision(arch, mixed, wrapped=False, cpu=True) == mixed

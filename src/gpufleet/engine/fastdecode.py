@@ -85,10 +85,20 @@ class FastDecoder:
 
     unsupported_reason = staticmethod(unsupported_reason)  # why a model must take the HF path (or None)
 
-    def __init__(self, model: torch.nn.Module, *, layout: str | None = None, check: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        layout: str | None = None,
+        check: bool = True,
+        dtype: torch.dtype | None = None,
+    ):
         """Read the weights of ``model``: views of its parameters or copies, by ``layout`` (see
         ``fastdecode_ops.Linear``; default: the fastest that fits in ``_COPY_LIMIT_BYTES``).
-        ``check=False`` skips the support check, for a caller that just made it."""
+        ``check=False`` skips the support check, for a caller that just made it. ``dtype`` (bfloat16 or
+        float16 for a float32 model): decode in copies of the weights in that dtype, what the model
+        computes in bf16 once cast (``train.precision: bf16`` over float32 weights: half the bytes a
+        step reads); the same logits as the model cast to ``dtype``."""
         if check and (reason := structure_reason(model)) is not None:
             raise ValueError(f"FastDecoder does not support this model: {reason}")
         config, inner = model.config, model.model
@@ -102,12 +112,16 @@ class FastDecoder:
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq
         self.attention_scaling = rotary.attention_scaling
-        self.embed = inner.embed_tokens.weight
-        self.norm = Norm.of(inner.norm)
-        self.layout = layout or self._layout_that_fits(model, layers)
-        self.lm_head = Linear(model.lm_head, layout=self.layout)
+        if dtype == inner.embed_tokens.weight.dtype:
+            dtype = None  # nothing to cast
+        self.embed = inner.embed_tokens.weight if dtype is None else inner.embed_tokens.weight.to(dtype)
+        self.norm = Norm.of(inner.norm, dtype)
+        self.layout = layout or self._layout_that_fits(model, layers, dtype)
+        self.lm_head = Linear(model.lm_head, layout=self.layout, dtype=dtype)
+        if dtype is not None and model.lm_head.weight is inner.embed_tokens.weight:  # tied: one copy
+            self.lm_head.parts = [(self.embed.t(), self.lm_head.parts[0][1])]
         self.vocab = model.lm_head.weight.shape[0]
-        self.layers = [Layer.of(layer, self.layout) for layer in layers]
+        self.layers = [Layer.of(layer, self.layout, dtype) for layer in layers]
         self.native = NativeStep(self) if NativeStep.supports(self) else None  # step() in one C call
         self.graph: GraphStep | None = None  # set by prefill on a GPU: step() as one CUDA graph replay
         # Set by prefill: per layer (B, kv_heads, capacity, head_dim) caches, the additive key mask of
@@ -120,7 +134,7 @@ class FastDecoder:
         self.length = 0
 
     @staticmethod
-    def _layout_that_fits(model: torch.nn.Module, layers) -> str:
+    def _layout_that_fits(model: torch.nn.Module, layers, dtype: torch.dtype | None = None) -> str:
         """On CPU, if copies of every projection and the head fit in ``_COPY_LIMIT_BYTES``: ``"panels"``
         for float32 weights where ``cpu_kernels`` builds, else ``"dense"``. Otherwise ``"fused"`` if the
         fused q/k/v and gate/up copies fit, else ``"views"``."""
@@ -134,7 +148,7 @@ class FastDecoder:
             head.device.type == "cpu"
             and size(PROJECTIONS) + head.numel() * head.element_size() <= _COPY_LIMIT_BYTES
         ):
-            return "panels" if head.dtype == torch.float32 and cpu_kernels.available() else "dense"
+            return "panels" if (dtype or head.dtype) == torch.float32 and cpu_kernels.available() else "dense"
         fused = tuple(name for name in PROJECTIONS if not name.endswith(("o_proj", "down_proj")))
         return "fused" if size(fused) <= _COPY_LIMIT_BYTES else "views"
 

@@ -45,9 +45,9 @@ class Norm:
         self.eps_value = float(eps)
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> Norm:
-        """The norm of an HF ``*RMSNorm`` module (its live weight)."""
-        return cls(module.weight, module.variance_epsilon)
+    def of(cls, module: torch.nn.Module, dtype: torch.dtype | None = None) -> Norm:
+        """The norm of an HF ``*RMSNorm`` module (its live weight, or a copy in ``dtype``)."""
+        return cls(_in(module.weight, dtype), module.variance_epsilon)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """bfloat16 / float16 inputs are normed in float32 and cast back before the weight, as HF does
@@ -80,7 +80,8 @@ class Linear:
     head 246 vs 332 us; the same as an (in, out) copy of the weight, without the copy).
     """
 
-    def __init__(self, *modules: torch.nn.Linear, layout: str = "fused"):
+    def __init__(self, *modules: torch.nn.Linear, layout: str = "fused", dtype: torch.dtype | None = None):
+        """``dtype``: copies of the weights (and biases) in that dtype (``FastDecoder``'s decode dtype)."""
         bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules], dim=0)
         self.packed = None
         if layout == "panels":
@@ -91,6 +92,7 @@ class Linear:
             self.parts = [(torch.cat([m.weight for m in modules], dim=0).t(), bias)]
         else:
             self.parts = [(m.weight.t(), m.bias) for m in modules]
+        self.parts = [(_in(w, dtype), _in(b, dtype)) for w, b in self.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= cpu_kernels.MAX_ROWS:
@@ -130,24 +132,30 @@ class Layer:
     down: Linear
 
     @classmethod
-    def of(cls, layer: torch.nn.Module, layout: str) -> Layer:
-        """The weights of an HF decoder layer in ``layout`` (see ``Linear``)."""
+    def of(cls, layer: torch.nn.Module, layout: str, dtype: torch.dtype | None = None) -> Layer:
+        """The weights of an HF decoder layer in ``layout`` (see ``Linear``), copies in ``dtype`` if given."""
         attn, mlp = layer.self_attn, layer.mlp
         qk_norm = None
         if hasattr(attn, "q_norm"):
             heads = attn.q_proj.out_features // attn.head_dim
             kv_heads = attn.k_proj.out_features // attn.head_dim
             rows = [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
-            qk_norm = Norm(attn.q_norm.weight, attn.q_norm.variance_epsilon, torch.cat(rows, dim=0))
+            per_head = _in(torch.cat(rows, dim=0), dtype)
+            qk_norm = Norm(_in(attn.q_norm.weight, dtype), attn.q_norm.variance_epsilon, per_head)
         return cls(
-            input_norm=Norm.of(layer.input_layernorm),
-            qkv=Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout),
+            input_norm=Norm.of(layer.input_layernorm, dtype),
+            qkv=Linear(attn.q_proj, attn.k_proj, attn.v_proj, layout=layout, dtype=dtype),
             qk_norm=qk_norm,
-            o_proj=Linear(attn.o_proj, layout=layout),
-            post_norm=Norm.of(layer.post_attention_layernorm),
-            gate_up=Linear(mlp.gate_proj, mlp.up_proj, layout=layout),
-            down=Linear(mlp.down_proj, layout=layout),
+            o_proj=Linear(attn.o_proj, layout=layout, dtype=dtype),
+            post_norm=Norm.of(layer.post_attention_layernorm, dtype),
+            gate_up=Linear(mlp.gate_proj, mlp.up_proj, layout=layout, dtype=dtype),
+            down=Linear(mlp.down_proj, layout=layout, dtype=dtype),
         )
+
+
+def _in(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` in ``dtype`` (itself when None or already so)."""
+    return t if t is None or dtype is None else t.to(dtype)
 
 
 def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

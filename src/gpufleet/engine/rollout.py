@@ -124,6 +124,8 @@ class Sampling:
     top_k: int = 0
     suppress_tokens: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    decode_dtype: str | None = None
+    """The fast decoder's compute dtype for float32 weights (``generate``'s); None: the weights' own."""
 
     def generate(
         self,
@@ -168,6 +170,7 @@ def generate(
     all_done: Callable[[bool], bool] | None = None,
     suppress_tokens: Sequence[int] = (),
     min_new_tokens: int = 0,
+    decode_dtype: str | None = None,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
 
@@ -177,6 +180,8 @@ def generate(
     of steps; this callback turns "my rows are done" into "every rank's rows are done".
     ``suppress_tokens``: ids never sampled, greedy included (``sampling.never_sampled``: a pad that is not EOS).
     ``min_new_tokens``: EOS is never sampled before this many new tokens (HF's ``min_new_tokens``).
+    ``decode_dtype`` (``"bfloat16"`` / ``"float16"``): the fast decoder computes in copies of the weights
+    in that dtype (``Sampling.decode_dtype``); the HF path ignores it.
     """
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
@@ -209,6 +214,7 @@ def generate(
                 all_done,
                 suppress_tokens,
                 min_new_tokens,
+                decode_dtype,
             )
     finally:
         model.train(was_training)
@@ -219,8 +225,11 @@ _CHECK_EVERY = 8
 stalls the GPU's queue) every this many steps."""
 
 
-def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None:
-    """A ``FastDecoder`` over ``model``'s current weights, or None where the HF forward must run.
+def _fast_decoder(
+    model: torch.nn.Module, max_length: int, dtype: torch.dtype | None = None
+) -> FastDecoder | None:
+    """A ``FastDecoder`` over ``model``'s current weights (copies in ``dtype`` if given), or None where the
+    HF forward must run.
 
     Only a plain model qualifies (a DDP/FSDP wrapper or any other wrapper fails the exact class check of
     ``FastDecoder.unsupported_reason``); ``GPUFLEET_FAST_DECODE=0`` turns the fast path off.
@@ -229,7 +238,7 @@ def _fast_decoder(model: torch.nn.Module, max_length: int) -> FastDecoder | None
         return None
     if FastDecoder.unsupported_reason(model, max_length) is not None:
         return None
-    return FastDecoder(model, check=False)
+    return FastDecoder(model, check=False, dtype=dtype)
 
 
 def _decode(
@@ -245,6 +254,7 @@ def _decode(
     all_done: Callable[[bool], bool] | None = None,
     suppress_tokens: Sequence[int] = (),
     min_new_tokens: int = 0,
+    decode_dtype: str | None = None,
 ) -> Rollout:
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
@@ -252,7 +262,8 @@ def _decode(
     uniforms = row_uniforms(seeds, max_new_tokens, device) if temperature > 0 else None
     never = torch.tensor(list(suppress_tokens), dtype=torch.long, device=device)
     early = torch.tensor([*suppress_tokens, eos_token_id], dtype=torch.long, device=device)  # t < min_new
-    decoder = _fast_decoder(model, width + max_new_tokens)
+    dtype = getattr(torch, decode_dtype) if decode_dtype else None
+    decoder = _fast_decoder(model, width + max_new_tokens, dtype)
     if nativeloop.applies(decoder, temperature, top_p, top_k, all_done):
         completion_ids, completion_mask = nativeloop.decode(
             decoder,

@@ -23,6 +23,7 @@ from gpufleet.hardware import Hardware
 from gpufleet.plan.host import Whole, converted_bytes, host_load
 from gpufleet.plan.inference import (
     REWARD_MODEL_BATCH,
+    decode_precision,
     fast_decode_copies,
     logprob_scoring_bytes,
     reward_model_bytes,
@@ -195,7 +196,12 @@ def parts_of(r: Resolved, hw: Hardware, models: Models, lay: Layout, env: Mappin
         acts=acts,
         grads_freed=_grads_freed(state["grads"], acts, single=micro == t.per_device_batch and not hw.is_cpu),
         roll=rollout_bytes(
-            pol.arch, run, sequences=rows, prompt_tokens=P, completion_tokens=T, weight_copies=copies
+            pol.arch,
+            decode_precision(pol.arch, run, wrapped=fsdp, cpu=hw.is_cpu),
+            sequences=rows,
+            prompt_tokens=P,
+            completion_tokens=T,
+            weight_copies=copies,
         ),
         # frozen, in the compute dtype (reference_dtype); under FSDP sharded like the policy
         ref_weights=math.ceil(pol.params.total / (lay.shards if sharded_ref else 1)) * ref.weight_bytes,

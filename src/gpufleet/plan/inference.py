@@ -75,36 +75,54 @@ COPY_LIMIT_BYTES = 1 << 30
 """Mirror of `gpufleet.engine.fastdecode._COPY_LIMIT_BYTES`: the most the fast decoder's weight copies take."""
 
 FAST_DECODE_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+FAST_DECODE_DTYPES = ("float32", "bfloat16", "float16")
+"""The weights' dtypes the fast decoder takes (engine/fastdecode_check.py)."""
 """model_type values `gpufleet.engine.fastdecode.FastDecoder` runs (plain float32 models only)."""
 
 
 def fast_decode_copies(
     arch: Arch, p: Precision, *, wrapped: bool, cpu: bool = False, panels: bool = True
 ) -> int:
-    """Bytes of the weight copies the fast decoder builds for one `generate` call, as
-    `FastDecoder._layout_that_fits` picks them: on CPU every projection, its biases and the head if they
-    fit in `COPY_LIMIT_BYTES` (``panels``: packed for the CPU kernel, `gpufleet.engine.cpu_kernels`, each
-    weight's outputs padded to a multiple of 16; else as they are); else the fused q/k/v and gate/up if
-    those fit; else none. 0 where it does not run (other families, non-float32 weights, an FSDP-wrapped
-    policy)."""
-    if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights != "float32":
+    """Bytes of the weight copies the fast decoder builds for one `generate` call, as `FastDecoder`
+    makes them. On a GPU with float32 weights and a lower compute dtype (`decode_dtype`): every
+    projection, the embedding and the head (once if tied) in the compute dtype. Otherwise as
+    `FastDecoder._layout_that_fits` picks them, in the weights' dtype: on CPU every projection, its biases
+    and the head if they fit in `COPY_LIMIT_BYTES` (``panels``, float32 only: packed for the CPU kernel,
+    `gpufleet.engine.cpu_kernels`, each weight's outputs padded to a multiple of 16; else as they are);
+    else the fused q/k/v and gate/up if those fit; else none. 0 where it does not run (other families,
+    other dtypes, an FSDP-wrapped policy)."""
+    if wrapped or arch.model_type not in FAST_DECODE_TYPES or p.weights not in FAST_DECODE_DTYPES:
         return 0
     h, inter = arch.hidden_size, arch.intermediate_size
     # (outputs, inputs, has a bias) of the fused q/k/v, o, fused gate/up and down projections
     qkv, gate_up = (arch.q_dim + 2 * arch.kv_dim, h, arch.qkv_bias), (2 * inter, h, arch.mlp_bias)
     rest = [(h, arch.q_dim, arch.o_bias), (h, inter, arch.mlp_bias)]
+    item = p.weight_bytes
 
     def size(weights: list[tuple[int, int, bool]], pad: int = 1) -> int:
-        return sum(-(-out // pad) * pad * (inputs + bias) for out, inputs, bias in weights) * 4
+        return sum(-(-out // pad) * pad * (inputs + bias) for out, inputs, bias in weights) * item
 
+    if not cpu and p.weights == "float32" and p.compute != "float32":  # rl/precision.py decode_dtype
+        item = p.compute_bytes
+        tables = arch.vocab_size * h * item * (1 if arch.tie_word_embeddings else 2)
+        return size([qkv, gate_up, *rest]) * arch.num_layers + tables
     fused = size([qkv, gate_up]) * arch.num_layers
     if cpu:
-        dense = fused + size(rest) * arch.num_layers + arch.vocab_size * h * 4
+        dense = fused + size(rest) * arch.num_layers + arch.vocab_size * h * item
         if dense <= COPY_LIMIT_BYTES:
-            if not panels:
+            if not panels or p.weights != "float32":
                 return dense
             return size([qkv, gate_up, *rest], pad=16) * arch.num_layers + size([(arch.vocab_size, h, 0)], 16)
     return fused if fused <= COPY_LIMIT_BYTES else 0
+
+
+def decode_precision(arch: Arch, p: Precision, *, wrapped: bool, cpu: bool) -> Precision:
+    """The dtypes a rollout runs in (its KV cache's): where the fast decoder runs on a GPU, the compute
+    dtype over float32 weights (rl/precision.py `decode_dtype`); else the weights'."""
+    fast = not wrapped and arch.model_type in FAST_DECODE_TYPES
+    if fast and not cpu and p.weights == "float32" and p.compute != "float32":
+        return Precision(p.compute, p.compute)
+    return p
 
 
 def rollout_bytes(

@@ -16,7 +16,13 @@ from gpufleet.rl import rollouts
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
-from gpufleet.rl.precision import fsdp_param_dtype, model_dtype, reference_dtype, reward_model_dtype
+from gpufleet.rl.precision import (
+    decode_dtype,
+    fsdp_param_dtype,
+    model_dtype,
+    reference_dtype,
+    reward_model_dtype,
+)
 from gpufleet.rl.rewards import Rewards
 
 
@@ -67,6 +73,7 @@ class Parts:
             top_k=ro.top_k,
             suppress_tokens=self.suppress_tokens,
             min_new_tokens=ro.min_completion_length,
+            decode_dtype=decode_dtype(self.job, self.device),
         )
 
 

@@ -17,6 +17,15 @@ def model_dtype(job: Job) -> str:
     return precision.weights_dtype(job)
 
 
+def decode_dtype(job: Job, device: torch.device) -> str | None:
+    """The dtype the fast decoder computes in on a GPU: the compute dtype where it differs from the
+    weights' (bf16/fp16 over float32 master weights: the rollout reads half the bytes, as the autocast
+    forward computes in bf16 too; a rollout rank holds such a copy already); None elsewhere (the CPU
+    decodes in the weights' dtype: its kernels are float32)."""
+    compute = precision.compute_dtype(job)
+    return compute if device.type == "cuda" and compute != precision.weights_dtype(job) else None
+
+
 def reference_dtype(job: Job) -> str:
     """The frozen reference's dtype: the compute dtype (no master weights needed without gradients)."""
     return precision.reference_dtype(job)
