@@ -239,6 +239,21 @@ def test_a_batch_ahead_is_sampled_with_the_weights_of_a_step_before(user_dir):
 
 
 @pytest.mark.slow
+def test_async_does_not_depend_on_the_policy_rank_count(user_dir):
+    """One step ahead, 2 policy ranks served by one rollout rank (each sent its rows, the IS weights formed in
+    each rank's loss, TRL's metrics over both, the batches in flight flushed at each checkpoint) train as 1
+    policy rank with the same global batch."""
+    one, two = user_dir / "runs" / "one", user_dir / "runs" / "two"
+    _train(one, user_dir, *ASYNC)
+    _train(two, user_dir, *ASYNC, "placement.policy=0,1", "placement.rollout=2", "train.per_device_batch=8")
+    assert_same_run(one, two)
+    keys = [k for k in _metrics(one)[0] if k.startswith(("sampling/", "rollout/staleness"))]
+    assert len(keys) == 6
+    for a, b in zip(_metrics(one), _metrics(two), strict=True):
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
 def test_async_is_deterministic_and_resumes_exactly_after_kill_9(user_dir):
     """Two runs with the same seed give the same weights; a run whose policy rank dies by SIGKILL after
     the step-3 checkpoint resumes (the batch in flight saved with it) to the same weights, bit for bit."""
