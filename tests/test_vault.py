@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.env.vault import KEYS, VaultEnv, call_shape, k
+from gpufleet.env.vault import KEYS, VaultEnv, call_shape, k, reads_result
 from helpers import run_user, sets
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent-tools.yaml"
@@ -41,6 +41,11 @@ def test_call_shape_credits_the_right_calls_prefix():
     assert call_shape(["7:"], ["[k n=n=]"]) == [5 / 7]  # no digit where it goes: the match stops
     assert call_shape(["7:"], ["x[k n=7]"]) == [0.0]
     assert call_shape(["7:", "7:"], ["", "[k"]) == [0.0, 2 / 7]  # saying nothing earns nothing
+
+
+def test_reads_result_credits_writing_what_the_tool_said():
+    transcripts = ["[k n=6]T:p\nA:p", "[k n=6]T:p\nA:[k n=4]", "[k n=6]", "p", "[k n=6]T:p\nA:"]
+    assert reads_result(["7:"] * 5, transcripts) == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def _rows(run: Path) -> list[dict]:

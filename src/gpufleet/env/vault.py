@@ -16,7 +16,10 @@ function for the job's reward.functions: the share of the right call (`[k n=7]`)
 starts with, so that a randomly initialised model finds the call's form character by character; a wrong
 digit counts half. (With the prefix alone, each of 3 seeds learned `[k n` or `[k n=` in ~150 steps and
 then wrote `n`, `=` or ` ` again where the digit goes -- `[k n=n=`, `[k nnnn` --: the calls never parsed,
-every episode of a group earned the same, and GRPO had no signal left.)
+every episode of a group earned the same, and GRPO had no signal left.) `reads_result` is a second
+shaping reward: the turn after the tool's answer starts with that answer's first character. (Without it
+a run learned the whole call form by step ~270, then wrote the call again as its answer: the right key
+needs the right digit and the copy at once, which random tries did not find.)
 
 Why this shape: a random-init character model writes a given character about 1 time in 87, and the call
 must be found one character at a time (measured: about 25 steps per character with 256 episodes a step);
@@ -82,4 +85,15 @@ def call_shape(prompts: list[str], completions: list[str], **_: Any) -> list[flo
                 break
             score += 1.0 if got == want else 0.5
         out.append(score / len(target))
+    return out
+
+
+def reads_result(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Per episode: 1 when the turn after the first tool result starts with that result's first character
+    (`...T:q\nA:q`): using what the tool said, right or wrong (the environment pays only the right key)."""
+    out = []
+    for completion in completions:
+        _, tool, rest = completion.partition("T:")
+        result, _, after = rest.partition("\nA:")
+        out.append(float(bool(tool and result and after) and after[:1] == result[:1]))
     return out
