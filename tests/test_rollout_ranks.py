@@ -226,12 +226,10 @@ def test_a_batch_ahead_is_sampled_with_the_weights_of_a_step_before(user_dir):
     rows = _metrics(run)
     assert [m["rollout/staleness"] for m in rows] == [0.0] + [1.0] * 9
     first, later = rows[0], rows[1:]
-    assert first["sampling/sampling_logp_difference/max"] == 0.0  # the same fp32 weights: the same log-probs
-    assert (
-        first["sampling/importance_sampling_ratio/min"]
-        == first["sampling/importance_sampling_ratio/max"]
-        == 1.0
-    )
+    # the same fp32 weights: the same log-probs (recorded while decoding: the decode's rounding)
+    assert first["sampling/sampling_logp_difference/max"] < 1e-5
+    assert abs(first["sampling/importance_sampling_ratio/min"] - 1) < 1e-5
+    assert abs(first["sampling/importance_sampling_ratio/max"] - 1) < 1e-5
     assert all(m["sampling/sampling_logp_difference/mean"] > 0 for m in later)  # one step stale
     assert all(m["sampling/importance_sampling_ratio/max"] <= 3.0 for m in rows)  # sequence_mask at 3.0
     assert all(m["timing/rollout_wait"] >= 0 and m["timing/weight_sync"] >= 0 for m in rows)

@@ -86,6 +86,22 @@ def token_stats(
     return logp, entropy
 
 
+def sampled_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    suppress_tokens: Sequence[int],
+    early: tuple[int | None, int, int],
+) -> torch.Tensor:
+    """(B,) log-probs of the ``tokens`` (B,) one decode step sampled from ``logits`` (B, V), as
+    ``token_stats`` defines them (the trainer's log-probs of those tokens); ``early`` = (EOS id, the step,
+    min_new_tokens). What ``generate(..., logprobs=True)`` records while decoding."""
+    logp, _ = token_stats(
+        logits[:, None], tokens[:, None], temperature, suppress_tokens, early, entropy=False
+    )
+    return logp[:, 0]
+
+
 def chunk_stats(
     logits: torch.Tensor, targets: torch.Tensor, start: int, settings: tuple
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

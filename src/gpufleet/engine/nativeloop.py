@@ -17,6 +17,7 @@ import torch
 
 from gpufleet.engine import cpu_kernels
 from gpufleet.engine.fastdecode import FastDecoder
+from gpufleet.engine.loghead import sampled_logprobs
 from gpufleet.engine.sampling import native_probs, plain
 
 __all__ = ["applies", "decode"]
@@ -44,11 +45,13 @@ def decode(
     suppress: tuple[torch.Tensor, torch.Tensor],
     min_new_tokens: int,
     drop_fraction: float,
+    record: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids, completion mask), each (B, steps): the tokens of ``rollout._decode``'s loop.
 
     ``suppress``: the ids never sampled, and those before ``min_new_tokens`` (EOS added). Finished rows
-    leave the decoder once ``drop_fraction`` of the rows it runs are done."""
+    leave the decoder once ``drop_fraction`` of the rows it runs are done. ``record`` (B, max_new_tokens):
+    filled with each sampled token's log-prob (``loghead.sampled_logprobs``)."""
     lib = cpu_kernels.library()
     batch = prompt.shape[0]
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
@@ -67,6 +70,7 @@ def decode(
                 decoder.keep(keep)
                 rows, token, position = rows[keep], token[keep], position[keep]
             logits = decoder.step(token, position)
+        kept = logits.clone() if record is not None else None  # native_probs overwrites the logits
         probs = native_probs(logits, suppress[1] if t < min_new_tokens else suppress[0], temperature)
         n, vocab = probs.shape
         column = uniforms[:, t]
@@ -87,6 +91,9 @@ def decode(
             token.data_ptr(),
             position.data_ptr(),
         )
+        if record is not None:
+            early = (eos_token_id, t, min_new_tokens)
+            record[rows, t] = sampled_logprobs(kept, token, temperature, suppress[0].tolist(), early)
         steps = t + 1
         if live == 0:
             break

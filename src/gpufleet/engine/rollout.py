@@ -38,6 +38,7 @@ import torch
 from gpufleet.engine import nativeloop
 from gpufleet.engine.fastdecode import FastDecoder
 from gpufleet.engine.graphdecode import GraphStep
+from gpufleet.engine.loghead import sampled_logprobs
 from gpufleet.engine.sampling import pick, row_uniforms
 from gpufleet.engine.switches import switched_off
 
@@ -68,6 +69,11 @@ class Rollout:
     """(B,) number of completion tokens, EOS included."""
     is_truncated: torch.Tensor
     """(B,) bool: no EOS within max_new_tokens."""
+    logprobs: torch.Tensor | None = None
+    """(B, T) float32, where ``generate`` was asked for them: each sampled token's log-prob under the
+    distribution it was sampled from (logits over the temperature, the suppressed tokens and EOS before
+    ``min_new_tokens`` at probability 0; top-k / top-p not applied: the trainer's definition), taken
+    while decoding; meaningless where the completion mask is 0."""
 
     @property
     def completion_start(self) -> int:
@@ -105,10 +111,12 @@ class Rollout:
             self.completion_mask[start:stop, :T],
             self.completion_lengths[start:stop],
             self.is_truncated[start:stop],
+            None if self.logprobs is None else self.logprobs[start:stop, :T],
         )
 
     def to(self, device: torch.device | str) -> Rollout:
-        return Rollout(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return Rollout(**{name: None if t is None else t.to(device) for name, t in fields.items()})
 
 
 @dataclass(frozen=True)
@@ -134,10 +142,18 @@ class Sampling:
         seeds: list[int],
         max_new_tokens: int,
         all_done: Callable[[bool], bool] | None = None,
+        logprobs: bool = False,
     ) -> Rollout:
-        """Up to ``max_new_tokens`` tokens after each prompt, row i's randomness from ``seeds[i]``."""
+        """Up to ``max_new_tokens`` tokens after each prompt, row i's randomness from ``seeds[i]``
+        (``logprobs``: with ``Rollout.logprobs``)."""
         return generate(
-            model, prompt_ids, seeds=seeds, max_new_tokens=max_new_tokens, all_done=all_done, **asdict(self)
+            model,
+            prompt_ids,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            all_done=all_done,
+            logprobs=logprobs,
+            **asdict(self),
         )
 
 
@@ -171,6 +187,7 @@ def generate(
     suppress_tokens: Sequence[int] = (),
     min_new_tokens: int = 0,
     decode_dtype: str | None = None,
+    logprobs: bool = False,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; row i's randomness comes from seeds[i].
 
@@ -182,6 +199,8 @@ def generate(
     ``min_new_tokens``: EOS is never sampled before this many new tokens (HF's ``min_new_tokens``).
     ``decode_dtype`` (``"bfloat16"`` / ``"float16"``): the fast decoder computes in copies of the weights
     in that dtype (``Sampling.decode_dtype``); the HF path ignores it.
+    ``logprobs``: record each sampled token's log-prob while decoding (``Rollout.logprobs``; sampling
+    only: greedy decoding records none).
     """
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per row")
@@ -215,6 +234,7 @@ def generate(
                 suppress_tokens,
                 min_new_tokens,
                 decode_dtype,
+                logprobs,
             )
     finally:
         model.train(was_training)
@@ -255,6 +275,7 @@ def _decode(
     suppress_tokens: Sequence[int] = (),
     min_new_tokens: int = 0,
     decode_dtype: str | None = None,
+    logprobs: bool = False,
 ) -> Rollout:
     device = next(model.parameters()).device
     prompt, prompt_mask = left_pad(prompt_ids, pad_token_id, device)
@@ -264,6 +285,9 @@ def _decode(
     early = torch.tensor([*suppress_tokens, eos_token_id], dtype=torch.long, device=device)  # t < min_new
     dtype = getattr(torch, decode_dtype) if decode_dtype else None
     decoder = _fast_decoder(model, width + max_new_tokens, dtype)
+    record = None  # the sampled tokens' log-probs, where asked for
+    if logprobs and temperature > 0:
+        record = torch.zeros((len(prompt), max_new_tokens), dtype=torch.float32, device=device)
     if nativeloop.applies(decoder, temperature, top_p, top_k, all_done):
         completion_ids, completion_mask = nativeloop.decode(
             decoder,
@@ -277,6 +301,7 @@ def _decode(
             (never, early),
             min_new_tokens,
             _DROP_FRACTION,
+            record,
         )
     else:
         mask = torch.zeros((len(prompt), width + max_new_tokens), dtype=torch.long, device=device)
@@ -285,7 +310,12 @@ def _decode(
 
         def sample(logits: torch.Tensor, t: int) -> torch.Tensor:
             u = uniforms[:, t] if uniforms is not None else None
-            return pick(logits, early if t < min_new_tokens else never, u, temperature, top_p, top_k)
+            kept = logits.clone() if record is not None else None  # pick may overwrite the logits
+            token = pick(logits, early if t < min_new_tokens else never, u, temperature, top_p, top_k)
+            if record is not None:
+                at = (eos_token_id, t, min_new_tokens)
+                record[:, t] = sampled_logprobs(kept, token, temperature, tuple(suppress_tokens), at)
+            return token
 
         every = _CHECK_EVERY if all_done is None and decoder is not None and GraphStep.wanted(decoder) else 1
         completion_ids, completion_mask = _loop(
@@ -300,6 +330,7 @@ def _decode(
         completion_mask=completion_mask,
         completion_lengths=lengths,
         is_truncated=~has_eos,
+        logprobs=None if record is None else record[:, : completion_ids.shape[1]],
     )
 
 

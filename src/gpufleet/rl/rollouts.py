@@ -19,7 +19,8 @@ batch g is trained, so the rollout rank samples it meanwhile with the weights of
 same count of requests at the rollout rank and apply one rule: when a new request makes it k + 1, the
 oldest answer is sent first (k = 0: the new one is sampled and sent at once). Each answer carries the
 weights version it was sampled with and (algorithm.importance_sampling_correction) its sampling
-log-probs (rl/offpolicy.py). A checkpoint `flush`es the answers in flight to the policy ranks, which save
+log-probs (rl/offpolicy.py), recorded while decoding (`generate(..., logprobs=True)`; greedy decoding:
+one no-grad forward after it). A checkpoint `flush`es the answers in flight to the policy ranks, which save
 them: a resumed run trains on exactly the batches the first one would have.
 """
 
@@ -291,8 +292,11 @@ def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[torch.Te
     prompts = [row for a in asks for row in a["ask"]["prompt_ids"]]
     seeds = [s for a in asks for s in a["ask"]["seeds"]]
     sampling: Sampling = first["sampling"]
-    out = sampling.generate(model, prompts, seeds, first["max_new_tokens"])
-    logprobs = _sampling_logprobs(model, job, sampling, out) if first.get("logprobs") else None
+    asked = bool(first.get("logprobs"))  # recorded while decoding (greedy: a forward after)
+    out = sampling.generate(model, prompts, seeds, first["max_new_tokens"], logprobs=asked)
+    logprobs = out.logprobs
+    if asked and logprobs is None:
+        logprobs = _sampling_logprobs(model, job, sampling, out)
     answers, start = [], 0
     for a in asks:
         stop = start + len(a["ask"]["prompt_ids"])
@@ -305,7 +309,8 @@ def _answer(model: torch.nn.Module, job: Job, asks: list[dict]) -> list[torch.Te
 
 def _sampling_logprobs(model: torch.nn.Module, job: Job, sampling: Sampling, out: Rollout) -> torch.Tensor:
     """The log-probs of the sampled tokens under the distribution they were sampled from (temperature,
-    suppressed tokens, EOS held back): one no-grad pass of this rank's model over the completions."""
+    suppressed tokens, EOS held back): one no-grad pass of this rank's model over the completions (where
+    the decode recorded none: greedy decoding)."""
     from contextlib import nullcontext
 
     from gpufleet.rl.batch import GenerationBatch, logprobs_of
