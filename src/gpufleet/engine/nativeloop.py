@@ -17,7 +17,6 @@ import torch
 
 from gpufleet.engine import cpu_kernels
 from gpufleet.engine.fastdecode import FastDecoder
-from gpufleet.engine.loghead import sampled_logprobs
 from gpufleet.engine.sampling import native_probs, plain
 
 __all__ = ["applies", "decode"]
@@ -31,6 +30,9 @@ def applies(decoder: FastDecoder | None, temperature: float, top_p: float, top_k
         and plain(temperature, top_p, top_k)
         and all_done is None
     )
+
+
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def decode(
@@ -51,7 +53,8 @@ def decode(
 
     ``suppress``: the ids never sampled, and those before ``min_new_tokens`` (EOS added). Finished rows
     leave the decoder once ``drop_fraction`` of the rows it runs are done. ``record`` (B, max_new_tokens):
-    filled with each sampled token's log-prob (``loghead.sampled_logprobs``)."""
+    filled with each sampled token's log-prob, the log of the probability it was sampled with (the trainer's
+    definition, ``loghead.sampled_logprobs``, within rounding)."""
     lib = cpu_kernels.library()
     batch = prompt.shape[0]
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp_(min=0)
@@ -70,7 +73,6 @@ def decode(
                 decoder.keep(keep)
                 rows, token, position = rows[keep], token[keep], position[keep]
             logits = decoder.step(token, position)
-        kept = logits.clone() if record is not None else None  # native_probs overwrites the logits
         probs = native_probs(logits, suppress[1] if t < min_new_tokens else suppress[0], temperature)
         n, vocab = probs.shape
         column = uniforms[:, t]
@@ -91,9 +93,10 @@ def decode(
             token.data_ptr(),
             position.data_ptr(),
         )
-        if record is not None:
-            early = (eos_token_id, t, min_new_tokens)
-            record[rows, t] = sampled_logprobs(kept, token, temperature, suppress[0].tolist(), early)
+        if (
+            record is not None
+        ):  # log of the probabilities sampled from (0 at a finished row's pad: kept finite)
+            record[rows, t] = probs.gather(1, token[:n, None]).squeeze(1).clamp_(min=_TINY).log_()
         steps = t + 1
         if live == 0:
             break
