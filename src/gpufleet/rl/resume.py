@@ -193,7 +193,7 @@ def scored_to_dict(s: Scored) -> dict:
     r = {f.name: getattr(s.rollout, f.name) for f in fields(s.rollout)}
     return {
         "batch": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()},
-        "rollout": {k: v.cpu() for k, v in r.items()},
+        "rollout": {k: None if v is None else v.cpu() for k, v in r.items()},  # logprobs: maybe None
         "prompts": list(s.prompts),
         "completions": list(s.completions),
         "rewards": s.rewards,
@@ -206,7 +206,7 @@ def scored_from_dict(d: dict, device: torch.device) -> Scored:
     b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d["batch"].items()}
     return Scored(
         GenerationBatch(**b),
-        Rollout(**{k: v.to(device) for k, v in d["rollout"].items()}),
+        Rollout(**d["rollout"]).to(device),
         d["prompts"],
         d["completions"],
         d["rewards"],
