@@ -77,6 +77,8 @@ class _Episode:
     tool_rounds: int = 0  # chat: turns answered by tools
     tool_calls: int = 0
     tool_failures: int = 0
+    logprobs: list[float] = field(default_factory=list)  # per token: the sampling log-prob (0 off-policy)
+    sampled: list[float] = field(default_factory=list)  # this turn's action's, until `_action` keeps them
 
 
 @dataclass
@@ -93,6 +95,9 @@ class Episodes:
     segments: list[list[tuple[str, bool]]]
     env_rewards: torch.Tensor  # (B,) sum of the environment's rewards
     counts: dict[str, torch.Tensor] = field(default_factory=dict)  # (B,) per-episode counts for metrics
+    logprobs: torch.Tensor | None = None
+    """(B, T) the sampling log-prob of each policy token (0 elsewhere), where `generate` recorded them (a
+    dedicated rollout rank: rl/rolloutplay.py); None otherwise."""
 
 
 def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
@@ -178,8 +183,9 @@ def _act(p, live: list[_Episode], turn: int, budget: int) -> list[tuple[list[int
     seeds = [turn_seed(e.sample_seed, turn) for e in live] or [0]
     out = sample(p, contexts, seeds, cfg.max_action_tokens)
     actions = []
-    for e, ids in zip(live, out.completions(), strict=False):
+    for i, (e, ids) in enumerate(zip(live, out.completions(), strict=False)):
         ids = ids[: max(budget - len(e.tokens), 0)]
+        e.sampled = [] if out.logprobs is None else out.logprobs[i, : len(ids)].tolist()
         text = tok.decode([i for i in ids if i != tok.eos_token_id], skip_special_tokens=True)
         actions.append((ids, text))
     return actions
@@ -226,6 +232,7 @@ def _tools_answered(e: _Episode, messages, failures: int, chat, tok, last_turn: 
 
 
 def _action(e: _Episode, ids, text) -> None:
+    e.logprobs += (e.sampled + [0.0] * len(ids))[: len(ids)]
     e.tokens += ids
     e.mask += [1] * len(ids)
     e.segments.append((text, True))
@@ -239,6 +246,7 @@ def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int) -
         return
     e.tokens += bridge
     e.mask += [0] * len(bridge)
+    e.logprobs += [0.0] * len(bridge)
     e.segments.append((tok.decode(bridge, skip_special_tokens=True), False))
 
 
@@ -255,6 +263,11 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         ids[i, :n] = torch.tensor(e.tokens, dtype=torch.long)
         attention[i, :n] = 1
         loss[i, :n] = torch.tensor(e.mask, dtype=torch.float32)
+    logprobs = None
+    if any(e.sampled for e in eps):  # recorded while decoding (a rollout rank's turns)
+        logprobs = torch.zeros((len(eps), width), dtype=torch.float32)
+        for i, e in enumerate(eps):
+            logprobs[i, : len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
     rollout = Rollout(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -282,6 +295,7 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         segments=[e.segments for e in eps],
         env_rewards=torch.tensor([e.reward for e in eps], dtype=torch.float32),
         counts=counts,
+        logprobs=logprobs,
     )
 
 
