@@ -121,9 +121,9 @@ def _run_rank(r, job, out: Path, logs: Path, rank: int, gpus: str, keep: Path | 
 
             serve(rt, job)
         elif rt.role == "rollout":
-            from gpufleet.rl import rollouts
+            from gpufleet.rl import rolloutserve
 
-            rollouts.serve(rt, job)
+            rolloutserve.serve(rt, job)
         else:
             _train(rt, job, out)
         dist.shutdown(rt)

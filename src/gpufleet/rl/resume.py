@@ -151,7 +151,7 @@ def _in_flight(p) -> dict:
     for g, a in p.remote.held.items():
         if a is not None:
             rollout = {f.name: getattr(a.rollout, f.name) for f in fields(a.rollout)}
-            out[g] = {"rollout": rollout, "logprobs": a.logprobs, "version": a.version}
+            out[g] = {"rollout": rollout, "logprobs": a.logprobs, "version": a.version, "played": a.played}
     return out
 
 
@@ -164,7 +164,8 @@ def _restore_in_flight(p, saved: dict, step: int) -> None:
 
     reuse = reuse_count(p.job)
     p.remote.held = {
-        int(g): Answer(Rollout(**a["rollout"]), a["logprobs"], int(a["version"])) for g, a in saved.items()
+        int(g): Answer(Rollout(**a["rollout"]), a["logprobs"], int(a["version"]), a.get("played"))
+        for g, a in saved.items()
     }
     p.remote.sent = max(p.remote.held) + 1 if p.remote.held else -(-step // reuse)
     p.remote.version = step

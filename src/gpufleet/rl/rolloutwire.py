@@ -15,6 +15,14 @@ An answer (rollout -> policy): the header [kind, rows, prompt width P, completio
 (rows, 2P + 2M + 2): prompt ids and mask, completion ids and mask (padded to M = the request's
 max_new_tokens), length, truncated; then, when asked for, the sampling log-probs (rows, M) as float64 bits.
 The policy rank knows its size from its request (`PolicyEnd`), so it is one message.
+
+An env job's request (`"play"`: rl/rolloutplay.py) has the kind PLAY and rows (seed, 3, episode row, group
+position, generation batch): the rollout rank plays those episodes to their end. Its answer is two
+messages (the size of finished episodes is not known in advance): the header [PLAYED, rows, P, T, version,
+blob bytes, log-probs, count columns], then the body: the rollout block as above (T wide), the loss mask
+(rows, T), the env rewards (rows) as float64 bits, the sampling log-probs (rows, T) when asked for, the
+per-episode counts (rows, K), and a pickled blob of the texts (prompts, transcripts, segments, ...) and the
+counts' names.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from gpufleet.engine.rollout import Rollout
 HEADER = 8
 INLINE = 4096
 """int64s in a request's first message: its header and, as a rule, all of it (16 prompts of 250 tokens)."""
-STOP, ASK, NOTHING, FLUSH = 0, 1, 2, 3
+STOP, ASK, NOTHING, FLUSH, PLAY, PLAYED = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -43,6 +51,9 @@ class Answer:
     rollout: Rollout
     logprobs: torch.Tensor | None
     version: int
+    played: dict | None = None
+    """An env job's episodes (rl/rolloutplay.py): loss_mask, env_rewards, counts (tensors) and `rest`
+    (the texts and other per-episode lists, pickled); None for single-turn rows."""
 
 
 @dataclass
@@ -66,9 +77,8 @@ class PolicyEnd:
         else:
             ask, push = request["ask"], request["push"]
             changed = {} if push is None or self.said.get("wire") == push else {"wire": push}
-            header[:3] = torch.tensor(
-                [NOTHING if ask is None else ASK, request["version"], int(push is not None)]
-            )
+            kind = NOTHING if ask is None else PLAY if ask.get("play") else ASK
+            header[:3] = torch.tensor([kind, request["version"], int(push is not None)])
             if ask is not None:
                 if self.said.get("sampling") != ask["sampling"]:
                     changed["sampling"] = ask["sampling"]
@@ -76,23 +86,22 @@ class PolicyEnd:
                 logprobs, new = bool(ask.get("logprobs")), ask["max_new_tokens"]
                 header[3:7] = torch.tensor([rows.shape[0], rows.shape[1] - 2, new, int(logprobs)])
                 parts.append(rows.flatten())
-                self.expect.append((rows.shape[0], int(rows[:, 1].max()), new, logprobs))
+                shape = (rows.shape[0], int(rows[:, 1].max()), new, logprobs)
+                self.expect.append(("play", rows.shape[0]) if kind == PLAY else shape)
             else:
                 self.expect.append(None)
             if changed:
                 blob = pickle.dumps(changed)
                 header[7] = len(blob)
-                parts.append(
-                    torch.frombuffer(
-                        bytearray(blob.ljust(8 * math.ceil(len(blob) / 8), b"\0")), dtype=torch.long
-                    )
-                )
+                parts.append(_blob(blob))
                 self.said.update(changed)
         _send_inline(torch.cat(parts), self.dst, self.group)
 
     def answer(self) -> Answer | None:
         """The oldest answer still to come (None: nothing was sampled for it)."""
         expect = self.expect.popleft()
+        if expect is not None and expect[0] == "play":
+            return _recv_played(self.dst, self.group, expect[1])
         size = HEADER
         if expect is not None:
             rows, P, M, logprobs = expect
@@ -106,15 +115,7 @@ class PolicyEnd:
             raise RuntimeError(f"a rollout rank answered {rows} rows of prompts {P} wide, not {expect[:2]}")
         M = expect[2]
         body = flat[HEADER : HEADER + rows * (2 * P + 2 * M + 2)].view(rows, -1)
-        ids, mask, cids, cmask, length, cut = body.split([P, P, M, M, 1, 1], dim=1)
-        rollout = Rollout(
-            ids.contiguous(),
-            mask.contiguous(),
-            cids[:, :T].contiguous(),
-            cmask[:, :T].contiguous(),
-            length.squeeze(1).contiguous(),
-            cut.squeeze(1).bool(),
-        )
+        rollout = _rollout_of(body, P, M, T)
         lp = None
         if expect[3]:
             lp = flat[HEADER + body.numel() :].view(torch.float64).view(rows, M)[:, :T].float()
@@ -139,7 +140,7 @@ def recv_request(src: int, group, said: dict) -> dict | None:
     if blob:
         said.update(pickle.loads(flat[rows * (2 + width) :].numpy().tobytes()[:blob]))
     ask = None
-    if kind == ASK:
+    if kind in (ASK, PLAY):
         t = flat[: rows * (2 + width)].view(rows, 2 + width)
         ids = t[:, 2:].tolist()
         ask = {
@@ -148,6 +149,7 @@ def recv_request(src: int, group, said: dict) -> dict | None:
             "max_new_tokens": max_new_tokens,
             "sampling": said["sampling"],
             "logprobs": bool(logprobs),
+            "play": kind == PLAY,
         }
     return {"ask": ask, "version": version, "push": said["wire"] if push else None}
 
@@ -161,7 +163,7 @@ def prompt_rows(prompt_ids: list[list[int]], seeds: list[int]) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.long).view(len(prompt_ids), 2 + width)
 
 
-def pack_answer(answer: Answer | None, max_new_tokens: int = 0) -> torch.Tensor:
+def pack_answer(answer: Answer | None, max_new_tokens: int = 0) -> torch.Tensor | list[torch.Tensor]:
     """An `Answer` (or None: nothing sampled) as the one message `send_answer` sends, its completions padded
     to `max_new_tokens` (the size the policy rank expects); made once it is sampled, not while the policy
     rank waits for it."""
@@ -169,10 +171,21 @@ def pack_answer(answer: Answer | None, max_new_tokens: int = 0) -> torch.Tensor:
     if answer is None:
         header[0] = NOTHING
         return header
+    if answer.played is not None:
+        return _pack_played(answer)
     r, lp = answer.rollout, answer.logprobs
     rows, P, T = r.prompt_ids.shape[0], r.prompt_ids.shape[1], r.completion_ids.shape[1]
     pad = max_new_tokens - T
-    body = torch.cat(
+    header[:5] = torch.tensor([ASK, rows, P, T, answer.version])
+    parts = [header, _rollout_block(r, pad).flatten()]
+    if lp is not None:
+        parts.append(_bits(torch.nn.functional.pad(lp.double(), (0, pad))))
+    return torch.cat(parts)
+
+
+def _rollout_block(r: Rollout, pad: int) -> torch.Tensor:
+    """(rows, 2P + 2(T + pad) + 2) int64: prompt ids and mask, completion ids and mask, length, truncated."""
+    return torch.cat(
         [
             r.prompt_ids,
             r.prompt_mask,
@@ -183,15 +196,79 @@ def pack_answer(answer: Answer | None, max_new_tokens: int = 0) -> torch.Tensor:
         ],
         dim=1,
     ).long()
-    header[:5] = torch.tensor([ASK, rows, P, T, answer.version])
-    parts = [header, body.flatten()]
+
+
+def _rollout_of(body: torch.Tensor, P: int, M: int, T: int) -> Rollout:
+    """The `Rollout` of a `_rollout_block` (completions M wide, T of them kept)."""
+    ids, mask, cids, cmask, length, cut = body.split([P, P, M, M, 1, 1], dim=1)
+    return Rollout(
+        ids.contiguous(),
+        mask.contiguous(),
+        cids[:, :T].contiguous(),
+        cmask[:, :T].contiguous(),
+        length.squeeze(1).contiguous(),
+        cut.squeeze(1).bool(),
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor as the int64s of its float64 values, flat."""
+    return t.double().contiguous().flatten().view(torch.long)
+
+
+def _blob(data: bytes) -> torch.Tensor:
+    """Bytes as int64s (zero-padded to a multiple of 8)."""
+    return torch.frombuffer(bytearray(data.ljust(8 * math.ceil(len(data) / 8), b"\0")), dtype=torch.long)
+
+
+def _pack_played(a: Answer) -> list[torch.Tensor]:
+    """An env job's episodes as their two messages (see the module docstring)."""
+    r, played, lp = a.rollout, a.played, a.logprobs
+    rows, P, T = r.prompt_ids.shape[0], r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    names = sorted(played["counts"])
+    blob = pickle.dumps({"rest": played["rest"], "counts": names})
+    parts = [
+        _rollout_block(r, 0).flatten(),
+        played["loss_mask"].long().flatten(),
+        _bits(played["env_rewards"]),
+    ]
     if lp is not None:
-        parts.append(torch.nn.functional.pad(lp.double(), (0, pad)).flatten().view(torch.long))
-    return torch.cat(parts)
+        parts.append(_bits(lp))
+    if names:
+        parts.append(_bits(torch.stack([played["counts"][k].double() for k in names], dim=1)))
+    parts.append(_blob(blob))
+    header = torch.tensor([PLAYED, rows, P, T, a.version, len(blob), int(lp is not None), len(names)])
+    return [header, torch.cat(parts)]
 
 
-def send_answer(dst: int, group, packed: torch.Tensor) -> None:
-    dist.send(packed, dst=dst, group=group)
+def _recv_played(src: int, group, expect_rows: int) -> Answer | None:
+    """An env job's answer (`_pack_played`), or None: nothing was played for it."""
+    header = torch.empty(HEADER, dtype=torch.long)
+    dist.recv(header, src=src, group=group)
+    kind, rows, P, T, version, blob, has_lp, K = header.tolist()
+    if kind != PLAYED:
+        return None
+    if rows != expect_rows:
+        raise RuntimeError(f"a rollout rank answered {rows} episodes, not {expect_rows}")
+    sizes = [rows * (2 * P + 2 * T + 2), rows * T, rows, rows * T * has_lp, rows * K, math.ceil(blob / 8)]
+    flat = torch.empty(sum(sizes), dtype=torch.long)
+    dist.recv(flat, src=src, group=group)
+    block, mask, rewards, lp, counts, tail = flat.split(sizes)
+    meta = pickle.loads(tail.numpy().tobytes()[:blob])
+    columns = counts.view(torch.float64).view(rows, K).float()
+    played = {
+        "rest": meta["rest"],
+        "loss_mask": mask.view(rows, T).float(),
+        "env_rewards": rewards.view(torch.float64).float(),
+        "counts": {k: columns[:, i].contiguous() for i, k in enumerate(meta["counts"])},
+    }
+    logprobs = lp.view(torch.float64).view(rows, T).float() if has_lp else None
+    return Answer(_rollout_of(block.view(rows, -1), P, T, T), logprobs, version, played)
+
+
+def send_answer(dst: int, group, packed: torch.Tensor | list[torch.Tensor]) -> None:
+    for message in packed if isinstance(packed, list) else [packed]:
+        dist.send(message, dst=dst, group=group)
 
 
 def send_stop(dst: int, group) -> None:

@@ -20,7 +20,7 @@ from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
-from gpufleet.rl import rollouts, sampler, scorer
+from gpufleet.rl import rolloutplay, rollouts, sampler, scorer
 from gpufleet.rl.advantages import advantages_of, unscorable
 from gpufleet.rl.batch import (
     GenerationBatch,
@@ -34,7 +34,7 @@ from gpufleet.rl.batch import (
     tokenize_prompts,
 )
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
-from gpufleet.rl.episodes import episode_stats, play
+from gpufleet.rl.episodes import episode_stats
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import completion_token_ids
@@ -47,8 +47,8 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     G = job.algorithm.num_generations
     rows, row_pos, seeds = _layout(p, gen_index)
     episodes = answer = None
-    if p.env is not None:
-        episodes = play(p, rows, row_pos, seeds, gen_index)
+    if job.env.name:  # played here or on a dedicated rollout rank (rl/rolloutplay.py)
+        episodes, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
         rollout, loss_mask, prompts, completions, columns = (
             episodes.rollout,
             episodes.loss_mask,

@@ -3,7 +3,7 @@ sampler's importance-sampling correction: combinations that cannot work, each wi
 
 from __future__ import annotations
 
-from gpufleet.rules.registry import Context, err, rule, warn
+from gpufleet.rules.registry import Context, err, rule
 
 
 @rule
@@ -20,13 +20,6 @@ def generating_ahead(ctx: Context):
             "colocate: the policy ranks would sample and train one after the other anyway.",
             "give the rollout its own devices, e.g. --set placement.rollout=<a free device id>, or "
             "--set rollout.async_steps=0",
-        )
-    if job.env.name:
-        yield err(
-            [*refs, ctx.ref("env.name")],
-            f"rollout.async_steps {k} with an env job: episodes are played turn by turn against the env "
-            "servers from the policy ranks, so a batch cannot be sampled ahead of its turns.",
-            "--set rollout.async_steps=0 (the rollout ranks still sample every turn)",
         )
 
 
@@ -64,14 +57,6 @@ def sampler_correction(ctx: Context):
             "--set algorithm.importance_sampling_clip_max=3.0 (TRL's default)",
         )
     sampled_elsewhere = bool(ctx.topo.rollout_devices)
-    if sampled_elsewhere and a.importance_sampling_correction and ctx.job.env.name:
-        yield warn(
-            [ctx.ref("algorithm.importance_sampling_correction"), ctx.ref("env.name")],
-            "an env job's turns are sampled by the rollout ranks without their sampling log-probs: no "
-            "importance-sampling correction is applied to them.",
-            "fine in fp32 (the rollout ranks hold the trainer's weights exactly); with bf16 compute the "
-            "sampler differs from the trainer by rounding",
-        )
     if sampled_elsewhere and a.importance_sampling_correction and a.loss_type == "vespo":
         yield err(
             [ctx.ref("algorithm.importance_sampling_correction"), ctx.ref("algorithm.loss_type")],
