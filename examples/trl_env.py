@@ -34,15 +34,22 @@ class Vault:
         return 1.0 if self.unlocked else 0.0
 
 
-def call_shape(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
-    """A shaping reward (gpufleet's reward.functions: text in, one float per episode): the share of the
-    right call `[unlock n=41]` the episode's first turn starts with, so that a randomly initialised model
-    finds the call's form character by character. An instruct model that knows its tool format needs none."""
+def call_shape(prompts, completions, **kwargs) -> list[float]:
+    """A shaping reward (TRL's reward-function signature: in chat episodes, as in TRL, prompts and
+    completions are lists of messages): the share of the right call `[unlock n=41]` the episode's first
+    turn starts with, so that a randomly initialised model finds the call's form character by character.
+    An instruct model that knows its tool format needs none."""
     out = []
     for prompt, completion in zip(prompts, completions, strict=True):
-        target = f"[unlock n={prompt.strip().rstrip(':')}]"
+        target = f"[unlock n={prompt[-1]['content'].strip().rstrip(':')}]"
+        first = completion[0]  # the first assistant turn: its text, or its parsed tool calls
+        calls = [c["function"] for c in first.get("tool_calls") or []]
+        text = (first.get("content") or "") + "".join(
+            f"[{f['name']}" + "".join(f" {k}={v}" for k, v in (f.get("arguments") or {}).items()) + "]"
+            for f in calls
+        )
         n = 0
-        while n < min(len(completion), len(target)) and completion[n] == target[n]:
+        while n < min(len(text), len(target)) and text[n] == target[n]:
             n += 1
         out.append(n / len(target))
     return out

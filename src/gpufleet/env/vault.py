@@ -72,12 +72,45 @@ class VaultEnv:
         return "", float(right), True, False, {"success": right, "invalid_action": not action.strip()}
 
 
-def call_shape(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """Per episode: how much of the right call (`[k n=7]`) the transcript starts with, as a share of it; a
-    wrong digit counts half and the match goes on (`[k n=3]` for vault 7: 6.5 / 7)."""
+def said(x: str | list[dict]) -> str:
+    """A prompt or completion as the built-in chat template writes it: text as it is; TRL's message lists
+    (what reward functions get in chat episodes) as the transcript after the first prompt -- the first
+    assistant turn, then `T:result\n` / `U:observation\n` and `A:turn` for each message after it."""
+    if isinstance(x, str):
+        return x
     out = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        target = f"[k n={prompt.strip().rstrip(':')}]"
+    for i, m in enumerate(x):
+        if m.get("role") == "assistant":
+            calls = [c.get("function", c) for c in m.get("tool_calls") or []]
+            text = str(m.get("content") or "") + "".join(
+                f"[{f['name']}"
+                + (
+                    " " + ",".join(f"{k}={v}" for k, v in f["arguments"].items())
+                    if f.get("arguments")
+                    else ""
+                )
+                + "]"
+                for f in calls
+            )
+            out.append(("A:" if i else "") + text)
+        else:
+            out.append(("T:" if m.get("role") == "tool" else "U:") + str(m.get("content")) + "\n")
+    return "".join(out)
+
+
+def _number(prompt: str | list[dict]) -> str:
+    """The vault number the prompt shows (text `7:`, or the last message's content)."""
+    text = prompt if isinstance(prompt, str) else str(prompt[-1]["content"])
+    return text.strip().rstrip(":")
+
+
+def call_shape(prompts: list, completions: list, **_: Any) -> list[float]:
+    """Per episode: how much of the right call (`[k n=7]`) the transcript starts with, as a share of it; a
+    wrong digit counts half and the match goes on (`[k n=3]` for vault 7: 6.5 / 7). Prompts and
+    completions as text or as TRL's message lists (`said`)."""
+    out = []
+    for prompt, episode in zip(prompts, completions, strict=True):
+        target, completion = f"[k n={_number(prompt)}]", said(episode)
         score = 0.0
         for i, want in enumerate(target[: len(completion)]):
             got = completion[i]
@@ -88,12 +121,12 @@ def call_shape(prompts: list[str], completions: list[str], **_: Any) -> list[flo
     return out
 
 
-def reads_result(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+def reads_result(prompts: list, completions: list, **_: Any) -> list[float]:
     """Per episode: 1 when the turn after the first tool result starts with that result's first character
     (`...T:q\nA:q`): using what the tool said, right or wrong (the environment pays only the right key)."""
     out = []
-    for completion in completions:
-        _, tool, rest = completion.partition("T:")
+    for episode in completions:
+        _, tool, rest = said(episode).partition("T:")
         result, _, after = rest.partition("\nA:")
         out.append(float(bool(tool and result and after) and after[:1] == result[:1]))
     return out

@@ -7,6 +7,9 @@ and the observation comes back as a `user` message. Either way the answer is spl
 tokens the template puts between two assistant turns (mask 0): nothing already in the episode is
 rendered or tokenised again. With a TRL environment class (rl/trlenv.py) the environment runs the
 tool calls: every turn goes to it as its message, and a turn with calls is answered by `tool` messages.
+With tools on a data set (rl/tooldata.py) no environment runs: the first turn without tool calls ends
+the episode. Each episode keeps its messages (TRL's conversational `prompts` and `completions`, for the
+reward functions).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from gpufleet.errors import UserError
-from gpufleet.rl import trlenv
+from gpufleet.rl import tooldata, trlenv
 from gpufleet.rl.chat import ChatFormat, template_problem
 from gpufleet.rl.tools import Result, Tool, load_tools, run_call
 
@@ -29,6 +32,12 @@ class ChatRun:
     max_calls: int  # tool-calling turns per episode
     timeout: float  # seconds per tool call
     trl: trlenv.TrlRun | None = None  # a TRL environment class runs the tool calls (rl/trlenv.py)
+    data: trlenv.TrlRun | None = None  # tools on a data set: the rows give the first prompts (rl/tooldata.py)
+
+    @property
+    def rows(self) -> trlenv.TrlRun | None:
+        """Where the first prompts' data rows come from: a TRL environment's, or a data set's with tools."""
+        return self.trl if self.trl is not None else self.data
 
 
 def chat_run(job, tokenizer) -> ChatRun:
@@ -39,12 +48,13 @@ def chat_run(job, tokenizer) -> ChatRun:
     offered = trl.offered if trl is not None else [t.schema for t in tools]
     fmt = ChatFormat(tokenizer, offered, dict(ro.chat_template_kwargs))
     why = template_problem(tokenizer, fmt.tools, fmt.kwargs)
+    data = tooldata.tools_on_data(job)
     if why is not None:
-        raise UserError(
-            f"env.format chat: {job.model.path}'s chat template: {why}.", field="env.format", fix=FIX
-        )
+        where = "rollout.tools" if data else "env.format"
+        raise UserError(f"{where}: {job.model.path}'s chat template: {why}.", field=where, fix=FIX)
     calls = sys.maxsize if ro.max_tool_calling_iterations is None else ro.max_tool_calling_iterations
-    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, trl=trl)
+    rows = tooldata.rows(job) if data else None
+    return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, trl=trl, data=rows)
 
 
 FIX = (
@@ -59,6 +69,7 @@ def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
     calls, steps = [], []
     for e, (ids, text) in zip(live, actions, strict=True):
         message = run.fmt.parse(ids, e.prompt + e.tokens)
+        e.messages.append(message)
         wanted = message.get("tool_calls") or []
         if run.trl is not None:  # a TRL environment: every turn is its step (env/trl.py), calls while allowed
             calls_left = wanted if e.tool_rounds < run.max_calls else []
@@ -68,6 +79,16 @@ def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
         else:
             steps.append((e, ids, text, str(message.get("content") or "")))
     return calls, steps
+
+
+def columns(run: ChatRun | None, row_pos: list[int]) -> dict[str, list]:
+    """The data rows' columns but the prompt, per episode (TRL's reward keyword arguments), for tools on
+    a data set; {} otherwise (an environment's rows go to its reset)."""
+    if run is None or run.data is None:
+        return {}
+    rows = [run.data.row(pos) or {} for pos in row_pos]
+    names = [k for k in rows[0] if k != run.data.prompt_field] if rows else []
+    return {k: [r.get(k) for r in rows] for k in names}
 
 
 def run_tools(run: ChatRun, clock, calls: list) -> list[list[Result]]:

@@ -39,7 +39,7 @@ import torch
 
 from gpufleet.engine.rollout import Rollout, left_pad
 from gpufleet.env.connect import env_errors
-from gpufleet.rl import chatturns, trlenv
+from gpufleet.rl import chatturns, tooldata, trlenv
 from gpufleet.rl.batch import encode_prompt
 from gpufleet.rl.parts import sample
 
@@ -79,6 +79,8 @@ class _Episode:
     tool_failures: int = 0
     logprobs: list[float] = field(default_factory=list)  # per token: the sampling log-prob (0 off-policy)
     sampled: list[float] = field(default_factory=list)  # this turn's action's, until `_action` keeps them
+    said: list[dict] = field(default_factory=list)  # chat: the first prompt's messages (TRL's `prompts`)
+    messages: list[dict] = field(default_factory=list)  # chat: the completion's messages (TRL's form)
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Episodes:
     logprobs: torch.Tensor | None = None
     """(B, T) the sampling log-prob of each policy token (0 elsewhere), where `generate` recorded them (a
     dedicated rollout rank: rl/rolloutplay.py); None otherwise."""
+    columns: dict[str, list] = field(default_factory=dict)  # tools on a data set: the rows' other columns
+    conversation: tuple[list, list] | None = None  # chat: (prompts, completions) as TRL's message lists
 
 
 def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
@@ -108,13 +112,13 @@ def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_in
 
 
 def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
-    cfg, tok = p.job.env, p.tokenizer
+    cfg, tok = tooldata.episode_config(p.job), p.tokenizer
     chat = _chat(p)
     eps = [
         _Episode(f"g{gen_index}r{j}", episode_seed(p.job.train.seed, pos), s, [])
         for j, pos, s in zip(rows, row_pos, sample_seeds, strict=True)
     ]
-    trl = chat.trl if chat is not None else None  # a TRL environment class: its data row, its tools
+    trl = chat.rows if chat is not None else None  # data rows (a TRL environment's, or tools on data)
     with p.rt.clock.phase("env"):
         first = p.env.reset(
             [(e.id, e.seed, *(trl.options(pos) if trl else ())) for e, pos in zip(eps, row_pos, strict=True)]
@@ -125,6 +129,7 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
         name = f"the first observation of episode {e.id}"
         if chat is not None:  # rendered once; like any prompt, its last max_prompt_length tokens
             said, text = trl.first(pos, text) if trl else (text, text)
+            e.said = [{"role": "user", "content": said}] if isinstance(said, str) else said
             e.prompt = chat.fmt.first_prompt(said, trl.tools(pos) if trl else None)
             e.prompt = e.prompt[-p.job.rollout.max_prompt_length :]
         else:
@@ -153,12 +158,12 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
             e.done = e.truncated = True
     with p.rt.clock.phase("env"):
         p.env.close([e.id for e in eps])
-    return _assemble(p, eps, prompts)
+    return _assemble(p, eps, prompts, chatturns.columns(chat, row_pos))
 
 
 def _chat(p) -> chatturns.ChatRun | None:
     """The run's chat layout and tools (env.format: chat), built on first use; None: text episodes."""
-    if p.job.env.format != "chat":
+    if p.job.env.format != "chat" and not tooldata.tools_on_data(p.job):
         return None
     if p.chat is None:
         p.chat = chatturns.chat_run(p.job, p.tokenizer)
@@ -178,7 +183,7 @@ def _anyone(p, mine: bool) -> bool:
 
 def _act(p, live: list[_Episode], turn: int, budget: int) -> list[tuple[list[int], str]]:
     """Each live episode's action this turn: its tokens (EOS kept, cut to the budget) and its text."""
-    cfg, tok = p.job.env, p.tokenizer
+    cfg, tok = tooldata.episode_config(p.job), p.tokenizer
     contexts = [e.prompt + e.tokens for e in live] or [[tok.eos_token_id]]  # FSDP: a rank with none
     seeds = [turn_seed(e.sample_seed, turn) for e in live] or [0]
     out = sample(p, contexts, seeds, cfg.max_action_tokens)
@@ -212,7 +217,11 @@ def _record(e: _Episode, ids, text, result, tok, cfg, chat, *, last_turn: bool, 
     if len(obs_ids) > cfg.max_observation_tokens:
         obs_ids, e.cut = obs_ids[: cfg.max_observation_tokens], e.cut + 1
         obs = tok.decode(obs_ids, skip_special_tokens=True)
-    _splice(e, obs_ids if chat is None else chatturns.observation_bridge(chat, obs), tok, last_turn, budget)
+    if chat is None:
+        _splice(e, obs_ids, tok, last_turn, budget)
+    else:
+        said = [{"role": "user", "content": obs}]
+        _splice(e, chatturns.observation_bridge(chat, obs), tok, last_turn, budget, said)
 
 
 def _record_tools(e: _Episode, ids, text, results, chat, tok, *, last_turn: bool, budget: int) -> None:
@@ -228,7 +237,7 @@ def _tools_answered(e: _Episode, messages, failures: int, chat, tok, last_turn: 
     e.tool_rounds += 1
     e.tool_calls += len(messages)
     e.tool_failures += failures
-    _splice(e, chatturns.tool_bridge(chat, messages), tok, last_turn, budget)
+    _splice(e, chatturns.tool_bridge(chat, messages), tok, last_turn, budget, messages)
 
 
 def _action(e: _Episode, ids, text) -> None:
@@ -239,18 +248,20 @@ def _action(e: _Episode, ids, text) -> None:
     e.turns += 1
 
 
-def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int) -> None:
-    """Append the tokens between two actions (mask 0), or end the episode when no action would fit."""
+def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int, messages=()) -> None:
+    """Append the tokens between two actions (mask 0) and, chat, their `messages`; or end the episode
+    when no action would fit (the messages dropped, as TRL drops an overlong tool result)."""
     if last_turn or len(e.tokens) + len(bridge) >= budget:  # no room for another action
         e.done = e.truncated = True
         return
+    e.messages += messages
     e.tokens += bridge
     e.mask += [0] * len(bridge)
     e.logprobs += [0.0] * len(bridge)
     e.segments.append((tok.decode(bridge, skip_special_tokens=True), False))
 
 
-def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
+def _assemble(p, eps: list[_Episode], prompts: list[str], columns: dict[str, list]) -> Episodes:
     """Tensors of the episodes: the generation batch's layout (see the module docstring)."""
     tok, device = p.tokenizer, p.device
     prompt_ids, prompt_mask = left_pad([e.prompt for e in eps], tok.pad_token_id, device)
@@ -296,6 +307,8 @@ def _assemble(p, eps: list[_Episode], prompts: list[str]) -> Episodes:
         env_rewards=torch.tensor([e.reward for e in eps], dtype=torch.float32),
         counts=counts,
         logprobs=logprobs,
+        columns=columns,
+        conversation=([e.said for e in eps], [e.messages for e in eps]) if p.chat is not None else None,
     )
 
 

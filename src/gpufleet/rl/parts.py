@@ -24,6 +24,7 @@ from gpufleet.rl.precision import (
     reward_model_dtype,
 )
 from gpufleet.rl.rewards import Rewards
+from gpufleet.rl.tooldata import NoEnv, tools_on_data
 
 
 @dataclass
@@ -98,6 +99,8 @@ def build(
         env = open_pool(job, rt, run_dir or Path(job.output.dir))
     else:
         source = PromptSource(job.data, job.train.seed)
+    if tools_on_data(job):  # TRL's tools on a data set: chat episodes with no environment (rl/tooldata.py)
+        env = NoEnv()
     rewards = Rewards(
         job.reward,
         source.reward_names() if source else [],

@@ -3,7 +3,10 @@
 A reward function is called as TRL 1.16 calls it, every argument by keyword (`usercode.call_reward`):
 `fn(prompts=, completions=, completion_ids=, **columns) -> list[float | None]`, the other dataset
 columns as keyword lists; None means "not applicable to this sample" and becomes NaN, which the
-weighted sum ignores (`advantages.combine_rewards`).
+weighted sum ignores (`advantages.combine_rewards`). In chat episodes (env.format chat, tools on a data
+set) the functions get TRL's conversational forms: each prompt a list of messages, each completion the
+list of messages after it (assistant turns as parsed, with their `tool_calls`; `tool` results; an
+environment's `user` observations); a reward model still scores the text.
 """
 
 from __future__ import annotations
@@ -151,22 +154,25 @@ class Rewards:
         env_rewards: torch.Tensor | None = None,
         completion_ids: list[list[int]] | None = None,
         log: RewardLog | None = None,
+        conversation: tuple[list, list] | None = None,
     ) -> torch.Tensor:
         """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
         `env_rewards`: the episodes' environment rewards (first column of an env job); `completion_ids`:
         each completion's token ids, for the functions' `completion_ids`; `log`: TRL's `trainer_state`,
-        `log_metric`, `log_extra` for the functions that take them."""
+        `log_metric`, `log_extra` for the functions that take them; `conversation`: (prompts, completions)
+        as TRL's message lists, what the functions get instead of the text (chat episodes)."""
         logging = log.keywords() if log is not None else None
         cols = {k: columns[k] for k in reward_columns(columns)}
         out = torch.empty(len(completions), len(self.labels), dtype=torch.float32)
         if self.env:
             out[:, 0] = env_rewards
         for j, (fn, label) in enumerate(zip(self.fns, self.names, strict=True), start=int(self.env)):
+            said = conversation if conversation is not None and not isinstance(fn, RewardModel) else None
             values = (
                 model_scores
                 if fn is None
                 else _call_checked(
-                    fn, label, prompts, completions, cols, self.timeout, completion_ids, logging
+                    fn, label, *(said or (prompts, completions)), cols, self.timeout, completion_ids, logging
                 )
             )
             out[:, j] = torch.tensor(values, dtype=torch.float32)

@@ -38,6 +38,7 @@ from gpufleet.rl.episodes import episode_stats
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import completion_token_ids
+from gpufleet.rl.tooldata import tools_on_data
 
 
 def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
@@ -47,14 +48,14 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     G = job.algorithm.num_generations
     rows, row_pos, seeds = _layout(p, gen_index)
     episodes = answer = None
-    if job.env.name:  # played here or on a dedicated rollout rank (rl/rolloutplay.py)
+    if job.env.name or tools_on_data(job):  # played here or on a dedicated rollout rank (rl/rolloutplay.py)
         episodes, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
         rollout, loss_mask, prompts, completions, columns = (
             episodes.rollout,
             episodes.loss_mask,
             episodes.prompts,
             episodes.transcripts,
-            {},
+            episodes.columns,
         )
     else:
         prompt_ids, prompts, columns = _prompts(p, row_pos)
@@ -87,7 +88,14 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         env_rewards = episodes.env_rewards if episodes else None
         ids = completion_token_ids(rollout)
         per_function = p.rewards(
-            prompts, completions, columns, remote.get("rm_scores"), env_rewards, ids, log
+            prompts,
+            completions,
+            columns,
+            remote.get("rm_scores"),
+            env_rewards,
+            ids,
+            log,
+            conversation=episodes.conversation if episodes else None,  # chat: TRL's message lists
         )
     warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)

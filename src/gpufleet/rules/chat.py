@@ -1,42 +1,79 @@
-"""Rules of chat episodes and tools (env.format: chat, rollout.tools): the tools import and transformers
-can describe them, the model's chat template renders a two-turn conversation (with a tool call when there
-are tools) and preserves its prefix, so that the tokens between turns can be spliced (rl/chat.py).
+"""Rules of chat episodes and tools (env.format: chat, rollout.tools; or rollout.tools on a data set,
+rl/tooldata.py): the tools import and transformers can describe them, the model's chat template renders a
+two-turn conversation (with a tool call when there are tools) and preserves its prefix, so that the tokens
+between turns can be spliced (rl/chat.py), and its first prompt fits rollout.max_prompt_length.
 The tokenizer is read from the model folder (a built-in model's is made in memory); no torch import."""
 
 from __future__ import annotations
 
 from gpufleet import usercode
 from gpufleet.errors import UserError
+from gpufleet.rl.tooldata import tools_on_data
 from gpufleet.rules.registry import Context, err, rule, warn
 
+FIX_DATA = (
+    "use a model whose chat template supports tool calling, with a response template (parse_response), and "
+    "renders each turn the same whatever follows it (rollout.chat_template_kwargs may switch it, e.g. "
+    "{enable_thinking: false}), or remove rollout.tools"
+)
 TOOL_FIELDS = ("rollout.max_tool_calling_iterations", "rollout.tool_timeout", "rollout.chat_template_kwargs")
+
+
+def _chat(job) -> bool:
+    """Chat episodes: an env with env.format chat, or tools on a data set (TRL's tools, no environment)."""
+    return (bool(job.env.name) and job.env.format == "chat") or tools_on_data(job)
 
 
 @rule
 def tools_need_chat_episodes(ctx: Context):
     job = ctx.job
-    chat = bool(job.env.name) and job.env.format == "chat"
-    if job.rollout.tools and not chat:
-        how = (
-            "--set env.format=chat"
-            if job.env.name
-            else "set env.name (e.g. builtin:keys) and env.format: chat"
-        )
+    if job.rollout.tools and job.env.name and job.env.format != "chat":
         yield err(
             [ctx.ref("rollout.tools"), ctx.ref("env.format")],
             "rollout.tools are offered to the policy in chat episodes only (env.format: chat with an env).",
-            how,
+            "--set env.format=chat",
         )
-    if not chat:
+    if not _chat(job):
         for path in TOOL_FIELDS:
             if path in ctx.r.set_fields("rollout"):
-                yield warn([ctx.ref(path)], f"{path} is only read in chat episodes (env.format: chat).", "")
+                yield warn(
+                    [ctx.ref(path)],
+                    f"{path} is only read in chat episodes (env.format: chat, or rollout.tools).",
+                    "",
+                )
+
+
+@rule
+def tools_on_data_episodes(ctx: Context):
+    """Tools on a data set run TRL's tool loop turn by turn; what only single-turn completions have is
+    refused."""
+    job = ctx.job
+    if not tools_on_data(job):
+        return
+    what = "rollout.tools on a data set run multi-turn tool episodes"
+    if ctx.topo.rollout_devices:
+        yield err(
+            [ctx.ref("placement.rollout"), ctx.ref("rollout.tools")],
+            f"{what}, played turn by turn by the policy ranks; dedicated rollout ranks do not play them yet.",
+            "--set placement.rollout=colocate",
+        )
+    for path, value in (
+        ("rollout.min_completion_length", job.rollout.min_completion_length),
+        ("algorithm.mask_truncated_completions", job.algorithm.mask_truncated_completions),
+    ):
+        if value:
+            yield err(
+                [ctx.ref(path), ctx.ref("rollout.tools")],
+                f"{what}, where {path.split('.')[1]} is not implemented (it applies to single-turn "
+                "completions).",
+                f"--set {path}={0 if isinstance(value, int) and not isinstance(value, bool) else 'false'}",
+            )
 
 
 @rule
 def chat_template_fits(ctx: Context):
     job = ctx.job
-    if not job.env.name or job.env.format != "chat":
+    if not _chat(job):
         return
     from gpufleet.rl.chat import ChatFormat, template_problem
     from gpufleet.rl.chatturns import FIX
@@ -59,23 +96,30 @@ def chat_template_fits(ctx: Context):
     except UserError:
         return
     why = template_problem(tok, schemas, dict(job.rollout.chat_template_kwargs))
+    data = tools_on_data(job)
     if why is not None:
         yield err(
-            [ctx.ref("env.format"), ctx.ref("model.path")] + ([ctx.ref("rollout.tools")] if tools else []),
-            f"env.format chat: {job.model.path}'s chat template cannot lay out episodes: {why}.",
-            FIX,
+            [ctx.ref("rollout.tools" if data else "env.format"), ctx.ref("model.path")]
+            + ([ctx.ref("rollout.tools")] if tools and not data else []),
+            f"{'rollout.tools' if data else 'env.format chat'}: {job.model.path}'s chat template cannot lay "
+            f"out {'tool calls' if data else 'episodes'}: {why}.",
+            FIX_DATA if data else FIX,
         )
         return
     frame = len(ChatFormat(tok, schemas, dict(job.rollout.chat_template_kwargs)).first_prompt(""))
     if frame >= job.rollout.max_prompt_length:
         yield err(
-            [ctx.ref("rollout.max_prompt_length"), ctx.ref("env.format")]
+            [ctx.ref("rollout.max_prompt_length")]
+            + ([] if data else [ctx.ref("env.format")])
             + ([ctx.ref("rollout.tools")] if tools else []),
-            f"the chat template's first prompt is {frame} tokens before any observation"
+            f"the chat template's first prompt is {frame} tokens before "
+            + ("the data row's prompt" if data else "any observation")
             + (" (the tools it offers included)" if schemas else "")
             + f", and rollout.max_prompt_length {job.rollout.max_prompt_length} keeps only the last ones:"
             " the start of the prompt would be cut.",
-            f"--set rollout.max_prompt_length={frame + 256} (the frame + the first observation's tokens)",
+            f"--set rollout.max_prompt_length={frame + 256} (the frame + the "
+            + ("prompt's" if data else "first observation's")
+            + " tokens)",
         )
 
 

@@ -240,7 +240,7 @@ def data_available(ctx: Context):
         refs = [ctx.ref(e.field)] + ([ctx.ref("data.path")] if e.field != "data.path" else [])
         yield err(refs, e.why, e.fix)
         return
-    if not ctx.job.env.name:  # a TRL environment's rows: chat episodes, their template is chat.py's rule
+    if not ctx.job.env.name and not ctx.job.rollout.tools:  # chat episodes' template: chat.py's rule
         yield from _chat_needs_template(ctx, found.first_chat)
     if not found.complete:
         yield warn(

@@ -1,0 +1,233 @@
+"""Tools on a plain data set (TRL 1.16's `GRPOTrainer(tools=[...])` without an environment_factory): a job
+with data.path + rollout.tools + reward functions and no env section runs TRL's tool loop as chat
+episodes (the row's prompt rendered once with the tools, tool results spliced as the template's bridge,
+up to max_tool_calling_iterations, the whole conversation in max_completion_length), its reward functions
+get TRL's arguments (message lists, data columns, trainer_state, ...), check refuses what train would stop
+on, and the usual guarantees hold (2 ranks == 1 rank, kill -9 then resume is bitwise identical)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from helpers import run_user, sets
+
+TOOLS = '''
+import time
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def add(a: int, b: int) -> int:  # TRL docs: async_add (the built-in vocabulary has no "_")
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+'''
+
+# A reward function written for TRL 1.16 (its docs' conversational form and Example 6's logging), unchanged.
+REWARDS = """
+import json
+
+
+def reward_func(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
+    contents = [completion[-1]["content"] for completion in completions]
+    rewards = [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+    if log_extra:
+        log_extra("golden_answer", list(ground_truth))
+    if log_metric:
+        log_metric("accuracy", sum(rewards) / len(rewards))
+    with open("seen.jsonl", "a") as f:
+        f.write(json.dumps({
+            "prompts": kwargs["prompts"], "completions": completions, "ground_truth": ground_truth,
+            "level": kwargs["level"], "step": kwargs["trainer_state"].global_step,
+            "ids": kwargs["completion_ids"], "keys": sorted(kwargs),
+        }) + "\\n")
+    return rewards
+"""
+
+
+def _files(folder, chat: bool = False):
+    (folder / "my_tools.py").write_text(TOOLS)
+    (folder / "my_rewards.py").write_text(REWARDS)
+    with (folder / "tasks.jsonl").open("w") as f:
+        for i in range(16):
+            a, b = i % 4, i % 3
+            text = f"{a}*{b}="
+            prompt = [{"role": "user", "content": text}] if chat else text
+            f.write(json.dumps({"prompt": prompt, "ground_truth": str(a * b), "level": i % 2}) + "\n")
+
+
+def _job(folder, **rollout):
+    from gpufleet.config.schema import Job
+
+    tools = [f"{folder}/my_tools.py:multiply", f"{folder}/my_tools.py:add"]
+    return Job.model_validate(
+        {
+            "model": {"path": "builtin:tiny-qwen2"},
+            "data": {"path": str(folder / "tasks.jsonl")},
+            "rollout": {"tools": tools, "max_prompt_length": 64, "max_completion_length": 40, **rollout},
+            "reward": {"functions": [f"{folder}/my_rewards.py:reward_func"]},
+            "output": {"dir": str(folder / "run")},
+        }
+    )
+
+
+def _scripted(monkeypatch, script: list[str]):
+    """The policy's turns, fixed (what is under test happens after sampling); cut to the budget as `_act`."""
+    from gpufleet.rl import episodes
+
+    def act(p, live, turn, budget):
+        tok = p.tokenizer
+        text = script[turn]
+        ids = tok.encode(text.removesuffix("<eos>"), add_special_tokens=False)
+        ids += [tok.eos_token_id] if text.endswith("<eos>") else []
+        return [(ids[: budget - len(e.tokens)], text.removesuffix("<eos>")) for e in live]
+
+    monkeypatch.setattr(episodes, "_act", act)
+
+
+def _tool(name, content):
+    return {"role": "tool", "name": name, "content": content}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_trls_tool_loop_on_data_rows(tmp_path, monkeypatch, chat):
+    """The row's prompt (text wrapped as a user message, or chat messages) rendered with the tools; a call
+    answered by its tool message spliced as the template's bridge (mask 0); a second call past
+    max_tool_calling_iterations 1 is not run and ends the episode (TRL); the data columns and TRL's
+    message lists come with the episodes."""
+    from gpufleet.rl.episodes import play
+    from gpufleet.rl.parts import build
+
+    _files(tmp_path, chat=chat)
+    _scripted(monkeypatch, ["[multiply a=2,b=3]<eos>", "[add a=1,b=1]<eos>", "x<eos>"])
+    p = build(_job(tmp_path, max_tool_calling_iterations=1))
+    e = play(p, [0, 1, 2], [0, 0, 5], [0, 1, 2], gen_index=0)
+    tok, fmt = p.tokenizer, p.chat.fmt
+    row0 = p.source.examples(0, 1)[0]
+    said = [{"role": "user", "content": row0["prompt"]}] if not chat else row0["prompt"]
+    prompt = e.rollout.prompt_ids[0][e.rollout.prompt_mask[0].bool()].tolist()
+    assert prompt == fmt.first_prompt(said)
+    assert tok.decode(prompt).startswith("tools: multiply(a,b) add(a,b)\nU:")
+    bridge = fmt.bridge([_tool("multiply", "6")])
+    assert tok.decode(bridge) == "T:6\nA:"
+    call, again = tok.encode("[multiply a=2,b=3]"), tok.encode("[add a=1,b=1]")
+    eos = [tok.eos_token_id]
+    attn = e.rollout.completion_mask[0].bool()
+    assert e.rollout.completion_ids[0][attn].tolist() == call + eos + bridge + again + eos
+    assert e.loss_mask[0][attn].tolist() == [1.0] * (len(call) + 1) + [0.0] * len(bridge) + [1.0] * (
+        len(again) + 1
+    )
+    prompts, completions = e.conversation
+    assert prompts[0] == said
+    function = {"name": "multiply", "arguments": {"a": 2, "b": 3}}
+    assert completions[0][0]["tool_calls"] == [{"type": "function", "function": function}]
+    assert completions[0][1] == _tool("multiply", "6")
+    assert completions[0][2]["tool_calls"][0]["function"]["name"] == "add"  # not run: the limit
+    assert len(completions[0]) == 3 and e.counts["tool_calls"].tolist() == [1.0, 1.0, 1.0]
+    assert e.columns["ground_truth"][0] == row0["ground_truth"] and "prompt" not in e.columns
+    row5 = p.source.examples(5, 1)[0]
+    assert e.columns["level"] == [row0["level"], row0["level"], row5["level"]]
+
+
+def test_a_tool_result_past_max_completion_length_is_dropped_and_ends_the_episode(tmp_path, monkeypatch):
+    """TRL's budget: everything after the prompt fits max_completion_length; a tool answer that leaves no
+    room is not spliced (nor kept in the completion's messages); an async tool runs; no limit on iterations
+    (None) but the budget."""
+    from gpufleet.rl.episodes import play
+    from gpufleet.rl.parts import build
+
+    _files(tmp_path)
+    _scripted(monkeypatch, ["[add a=2,b=3]<eos>"] * 8)
+    p = build(_job(tmp_path, max_completion_length=38))
+    e = play(p, [0], [0], [0], gen_index=0)
+    tok = p.tokenizer
+    attn = e.rollout.completion_mask[0].bool()
+    turn = tok.encode("[add a=2,b=3]") + [tok.eos_token_id]  # 14 tokens; the bridge "T:5\nA:" 6
+    bridge = p.chat.fmt.bridge([_tool("add", "5")])
+    assert e.rollout.completion_ids[0][attn].tolist() == turn + bridge + turn  # 34 + 6 > 38: dropped
+    _, completions = e.conversation
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
+    assert completions[0][1]["content"] == "5" and bool(e.rollout.is_truncated[0])
+    assert e.counts["tool_calls"].tolist() == [2.0]  # the dropped result's call ran (TRL counts it too)
+
+
+def _job_file(folder) -> None:
+    (folder / "job.yaml").write_text(
+        textwrap.dedent(
+            """
+            model: {path: builtin:tiny-qwen2}
+            data: {path: tasks.jsonl}
+            rollout:
+              tools: [my_tools.py:multiply, my_tools.py:add]
+              max_tool_calling_iterations: 2
+              max_prompt_length: 48
+              max_completion_length: 32
+            reward: {functions: [my_rewards.py:reward_func]}
+            algorithm: {num_generations: 4}
+            train: {per_device_batch: 8, max_steps: 2, log_every: 1, learning_rate: 0.001}
+            output: {dir: run}
+            """
+        )
+    )
+
+
+def test_trl_reward_function_gets_trls_arguments_from_the_installed_cli(tmp_path):
+    """The TRL-style reward function runs unchanged: prompts and completions as message lists, the data
+    columns, completion_ids, trainer_state, log_extra / log_metric; TRL's tool metrics are logged."""
+    _files(tmp_path)
+    _job_file(tmp_path)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("train", "job.yaml", cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = [json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in seen] == [0, 1]
+    first = seen[0]
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in first["completions"])
+    assert first["prompts"][0] == [{"role": "user", "content": first["prompts"][0][0]["content"]}]
+    assert len(first["ground_truth"]) == len(first["level"]) == len(first["completions"]) == 8
+    assert {"trainer_state", "completion_ids", "prompts", "level"} <= set(first["keys"])
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("tools/call_frequency", "tools/failure_frequency", "rewards/reward_func/mean", "accuracy"):
+        assert key in rows[-1], key
+
+
+@pytest.mark.parametrize(
+    ("sets_", "line"),
+    [
+        (("algorithm.mask_truncated_completions=true",), "mask_truncated_completions is not implemented"),
+        (("rollout.min_completion_length=2",), "min_completion_length is not implemented"),
+        (("rollout.max_prompt_length=20",), "the chat template's first prompt is 35 tokens before the data"),
+        (("env.name=builtin:keys",), "rollout.tools are offered to the policy in chat episodes only"),
+        (("rollout.tools=my_tools.py:nope",), "nope"),
+    ],
+)
+def test_check_refuses_what_a_tools_on_data_job_would_stop_on(tmp_path, sets_, line):
+    _files(tmp_path)
+    _job_file(tmp_path)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(*sets_), cwd=tmp_path)
+    assert p.returncode == 2 and line in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
