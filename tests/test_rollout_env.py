@@ -33,9 +33,7 @@ def _user(tmp_path: Path, *examples: str) -> Path:
 
 
 def _train(cwd: Path, job: str, run: Path, *values: str, env_extra=None):
-    p = run_user(
-        "train", job, *sets(f"output.dir={run}", *values), cwd=cwd, timeout=400, env_extra=env_extra
-    )
+    p = run_user("train", job, *sets(f"output.dir={run}", *values), cwd=cwd, timeout=400, env_extra=env_extra)
     assert p.returncode == 0, p.stdout + p.stderr
     return p
 
@@ -159,7 +157,10 @@ def test_a_stuck_env_on_the_rollout_rank_stops_the_run_with_one_line(tmp_path):
     [
         pytest.param("agent-tools.yaml", (), ("train.per_device_batch=32",), id="chat-with-a-tool"),
         pytest.param(
-            "agent-trl-env.yaml", ("trl_env.py",), ("train.per_device_batch=16", "env.servers=auto"), id="trl-env"
+            "agent-trl-env.yaml",
+            ("trl_env.py",),
+            ("train.per_device_batch=16", "env.servers=auto"),
+            id="trl-env",
         ),
     ],
 )
