@@ -231,3 +231,83 @@ def test_check_refuses_what_a_tools_on_data_job_would_stop_on(tmp_path, sets_, l
     p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(*sets_), cwd=tmp_path)
     assert p.returncode == 2 and line in p.stdout, p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_on_a_tools_on_data_job(tmp_path):
+    """Seeds come from the prompt position, the generation and the turn, never the rank."""
+    from safetensors.torch import load_file
+
+    _files(tmp_path)
+    _job_file(tmp_path)
+    common = ("train.max_steps=3", "output.save_every=0")
+    p = run_user(
+        "train", "job.yaml", *sets("output.dir=one", "train.per_device_batch=16", *common), cwd=tmp_path
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    two = ("output.dir=two", "train.per_device_batch=8", "launch.nproc_per_node=2", *common)
+    p = run_user("train", "job.yaml", *sets(*two), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    a, b = (
+        load_file(tmp_path / "one/final/model.safetensors"),
+        load_file(tmp_path / "two/final/model.safetensors"),
+    )
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst <= 1e-5, worst
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [x["reward"] for x in one] == pytest.approx([x["reward"] for x in two], abs=1e-6)
+    assert [x["tools/call_frequency"] for x in one] == pytest.approx([x["tools/call_frequency"] for x in two])
+    assert sum(x["tools/call_frequency"] for x in one) > 0  # the episodes did call tools
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_is_bitwise_identical_on_a_tools_on_data_job(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import console_script, process_env
+
+    _files(tmp_path)
+    _job_file(tmp_path)
+    common = ["train.max_steps=8", "output.save_every=3", "train.per_device_batch=16"]
+
+    def argv(run):
+        return [console_script(), "train", "job.yaml", *sets(f"output.dir={run}", *common)]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    p = subprocess.run(
+        argv(ref), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(
+        argv(run),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=process_env(),
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(_rows(run)) >= 5):
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    p = subprocess.run(
+        argv(run), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
+    )
+    assert p.returncode == 0 and "resuming from" in p.stdout, p.stdout + p.stderr
+    a, b = load_file(ref / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [x["reward"] for x in _rows(ref)] == [x["reward"] for x in _rows(run)]
+    assert [x["tools/call_frequency"] for x in _rows(ref)] == [x["tools/call_frequency"] for x in _rows(run)]
