@@ -17,8 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from helpers import console_script, process_env, run_user, sets
+from gpufleet.engine.rollout import Rollout, Sampling, left_pad
+from gpufleet.launch.torchrun import free_port
+from gpufleet.rl.rolloutwire import Answer, PolicyEnd, pack_answer, recv_request, send_answer
+from helpers import console_script, gloo_done, gloo_rank, process_env, run_user, sets
 from test_rollout_ranks import _metrics, _weights, assert_same_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +45,80 @@ def _train(cwd: Path, job: str, run: Path, *values: str, env_extra=None):
 
 def _samples(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+
+
+def _played(logprobs: bool) -> Answer:
+    """Two finished episodes as a rollout rank sends them (rl/rolloutplay.py `_rows`)."""
+    prompt, prompt_mask = left_pad([[5, 6, 7], [8]], 0)
+    ids = torch.tensor([[3, 4, 9, 9, 2], [3, 2, 0, 0, 0]])
+    attention = (ids != 0).long()
+    loss = torch.tensor([[1.0, 1, 0, 0, 1], [1, 1, 0, 0, 0]])
+    rollout = Rollout(prompt, prompt_mask, ids, attention, loss.sum(1).long(), torch.tensor([False, True]))
+    played = {
+        "loss_mask": loss,
+        "env_rewards": torch.tensor([0.5, -1.25]),
+        "counts": {"turns": torch.tensor([2.0, 1.0]), "success": torch.tensor([1.0, 0.0])},
+        "rest": {
+            "prompts": ["go:", "stop:"],
+            "transcripts": ["ab\ncd", "a"],
+            "segments": [[("ab", True), ("\n", False), ("cd", True)], [("a", True)]],
+            "conversation": (
+                [[{"role": "user", "content": "go:"}]] * 2,
+                [[], [{"role": "tool", "content": "7"}]],
+            ),
+        },
+    }
+    lp = -torch.rand(2, 5, generator=torch.Generator().manual_seed(0)) * loss if logprobs else None
+    return Answer(rollout, lp, 3, played)
+
+
+PLAYS = [True, False]
+
+
+def _wire_worker(rank: int, port: int, out: str) -> None:
+    gloo_rank(rank, port)
+    group = dist.new_group([0, 1])
+    ask = {"play": True, "prompt_ids": [[0, 4, 2], [1, 4, 2]], "seeds": [11, 12], "max_new_tokens": 4}
+    ask |= {"sampling": Sampling(2, 0)}
+    if rank == 0:  # the policy rank
+        end = PolicyEnd(1, group)
+        for lp in PLAYS:
+            end.request({"ask": ask | {"logprobs": lp}, "version": 3, "push": None})
+        end.request({"ask": None, "version": 4, "push": None})
+        torch.save([end.answer() for _ in range(len(PLAYS) + 1)], out)
+    else:  # the rollout rank
+        said: dict = {}
+        got = [recv_request(0, group, said) for _ in range(len(PLAYS) + 1)]
+        for lp in PLAYS:
+            send_answer(0, group, pack_answer(_played(lp)))
+        send_answer(0, group, pack_answer(None))
+        torch.save(got, out + ".requests")
+    gloo_done()
+
+
+def test_played_episodes_arrive_as_sent(tmp_path):
+    """An env job's request (rows, group positions, batch) and its answer (tokens, masks, env rewards,
+    counts, sampling log-probs or none, the texts and message lists) over a real 2-process gloo group."""
+    out = str(tmp_path / "got.pt")
+    mp.spawn(_wire_worker, args=(free_port(), out), nprocs=2)
+    requests = torch.load(out + ".requests", weights_only=False)
+    assert requests[0]["ask"]["play"] and requests[0]["ask"]["prompt_ids"] == [[0, 4, 2], [1, 4, 2]]
+    assert requests[0]["ask"]["seeds"] == [11, 12] and requests[1]["ask"]["logprobs"] is False
+    *answers, last = torch.load(out, weights_only=False)
+    assert last is None
+    for got, lp in zip(answers, PLAYS, strict=True):
+        sent = _played(lp)
+        assert got.version == 3
+        for name in sent.rollout.__dataclass_fields__:
+            a, b = getattr(got.rollout, name), getattr(sent.rollout, name)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+        assert (got.logprobs is None) == (not lp)
+        assert not lp or torch.equal(got.logprobs, sent.logprobs)
+        assert got.played["rest"] == sent.played["rest"]
+        for key in ("loss_mask", "env_rewards"):
+            assert got.played[key].dtype == torch.float32 and torch.equal(got.played[key], sent.played[key])
+        assert got.played["counts"].keys() == sent.played["counts"].keys()
+        assert all(torch.equal(got.played["counts"][k], v) for k, v in sent.played["counts"].items())
 
 
 @pytest.mark.slow
@@ -175,3 +254,22 @@ def test_chat_env_jobs_on_the_rollout_rank_equal_colocated(tmp_path, example, fi
     assert_same_run(colocated, remote)
     a, b = _metrics(colocated), _metrics(remote)
     assert [m["tools/call_frequency"] for m in a] == pytest.approx([m["tools/call_frequency"] for m in b])
+
+
+def test_check_refuses_a_reward_that_takes_the_environments_played_elsewhere(tmp_path):
+    """A TRL environment class in process with rollout ranks: its instances live on the rollout rank, so a
+    reward function that takes TRL's `environments` is refused (one error, the fix); without one, ok."""
+    user = _user(tmp_path, "agent-trl-env.yaml", "trl_env.py")
+    (user / "my_rewards.py").write_text(
+        "def by_state(prompts, completions, environments, **kwargs):\n    return [0.0 for _ in environments]\n"
+    )
+    layout = ("placement.policy=0", "placement.rollout=1")
+    p = run_user("check", "agent-trl-env.yaml", "--gpus", "2x24GB", *sets(*layout), cwd=user)
+    assert p.returncode == 0 and "environments" not in p.stdout, p.stdout
+    reward = ("reward.functions=my_rewards.py:by_state", "reward.weights=1.0")
+    p = run_user("check", "agent-trl-env.yaml", "--gpus", "2x24GB", *sets(*layout, *reward), cwd=user)
+    assert p.returncode == 2, p.stdout
+    assert "reward function my_rewards.py:by_state takes TRL's `environments`" in p.stdout, p.stdout
+    assert "--set placement.rollout=colocate" in p.stdout
+    p = run_user("check", "agent-trl-env.yaml", "--gpus", "2x24GB", *sets(*reward), cwd=user)
+    assert "takes TRL's `environments`" not in p.stdout, p.stdout  # colocated: they are here

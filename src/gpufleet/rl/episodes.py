@@ -171,10 +171,10 @@ def _chat(p) -> chatturns.ChatRun | None:
 
 
 def _anyone(p, mine: bool) -> bool:
-    """Whether any rank still has a live episode (under FSDP, or with rollout ranks, every rank must
-    generate in step)."""
+    """Whether any rank still has a live episode (under FSDP every rank must generate in step; with rollout
+    ranks the episodes are played there: rl/rolloutplay.py)."""
     rt = p.rt
-    if rt.distributed and rt.policy_size > 1 and (p.job.placement.strategy == "fsdp" or p.remote is not None):
+    if rt.distributed and rt.policy_size > 1 and p.job.placement.strategy == "fsdp":
         from gpufleet.dist import all_true
 
         return not all_true(rt, not mine)

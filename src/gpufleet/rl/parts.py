@@ -203,9 +203,6 @@ def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_toke
     """One completion per row (row i's randomness from seeds[i]). Under FSDP the ranks generate through
     the sharded model, together (every rank must call this the same number of times)."""
     rt = p.rt
-    if p.remote is not None:  # a dedicated rollout rank samples them (rl/rollouts.py)
-        out = rollouts.sample(p.remote, p.policy, p.sampling, prompt_ids, seeds, max_new_tokens)
-        return out.to(p.device)
     fsdp = sharded(p.job, rt)
     with eager(p.job.train.torch_compile):
         rollout = p.sampling.generate(

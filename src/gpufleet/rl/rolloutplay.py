@@ -54,7 +54,6 @@ class Player:
     env: object
     sampling: _Recording | None = None
     chat: object | None = None
-    remote: None = None
 
     @property
     def train_model(self) -> torch.nn.Module:
@@ -154,9 +153,11 @@ TENSORS = ("rollout", "loss_mask", "env_rewards", "counts", "logprobs")
 
 
 def _cut(value, start: int, stop: int):
-    """Episodes start..stop-1 of a per-episode field: a list, a dict or tuple of lists, or None."""
+    """Episodes start..stop-1 of a per-episode field: a list, a dict or tuple of lists, or None. TRL's
+    `environments` (the instances, rl/trlenv.py) stay in this process (check refuses a reward function
+    that takes them with rollout ranks: rules/rollout.py)."""
     if isinstance(value, dict):
-        return {k: v[start:stop] for k, v in value.items()}
+        return {k: v[start:stop] for k, v in value.items() if k != "environments"}
     if isinstance(value, tuple):
         return tuple(v[start:stop] for v in value)
     return None if value is None else value[start:stop]

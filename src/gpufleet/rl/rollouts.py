@@ -36,11 +36,10 @@ from torch._utils import _flatten_dense_tensors
 
 from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime
-from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.plan.inference import WEIGHT_BUCKET_BYTES
 from gpufleet.rl.rolloutwire import Answer, PolicyEnd
 
-__all__ = ["Answer", "RemoteRollout", "connect", "fetch", "flush", "sample", "stop"]
+__all__ = ["Answer", "RemoteRollout", "connect", "fetch", "flush", "stop"]
 
 
 @dataclass
@@ -102,27 +101,6 @@ def connect(rt: Runtime, job: Job) -> RemoteRollout | None:
         device=rt.device,
         ahead=job.rollout.async_steps,
     )
-
-
-def sample(
-    remote: RemoteRollout,
-    policy: torch.nn.Module,
-    sampling: Sampling,
-    prompt_ids: list[list[int]],
-    seeds: list[int],
-    max_new_tokens: int,
-) -> Rollout:
-    """This rank's rows sampled by its rollout rank now, with the current weights (an env's turns: every
-    policy rank calls this together)."""
-    _request(
-        remote,
-        policy,
-        {"prompt_ids": prompt_ids, "seeds": seeds, "max_new_tokens": max_new_tokens, "sampling": sampling},
-    )
-    key = remote.sent - 1
-    while key not in remote.held:
-        _receive_oldest(remote)
-    return remote.held.pop(key).rollout
 
 
 def fetch(

@@ -69,7 +69,7 @@ def _answer(model: torch.nn.Module, job: Job, asks: list[dict], player=None) -> 
     packed to be sent (rl/rolloutwire.py); an env job's episodes played to their end (rl/rolloutplay.py)."""
     if asks[0]["ask"] is None:  # past the run's end: nothing to sample
         return [pack_answer(None) for _ in asks]
-    if asks[0]["ask"]["play"]:
+    if asks[0]["ask"].get("play"):
         return rolloutplay.answer(player, asks)
     first = asks[0]["ask"]
     prompts = [row for a in asks for row in a["ask"]["prompt_ids"]]

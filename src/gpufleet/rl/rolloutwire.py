@@ -149,8 +149,7 @@ def recv_request(src: int, group, said: dict) -> dict | None:
             "max_new_tokens": max_new_tokens,
             "sampling": said["sampling"],
             "logprobs": bool(logprobs),
-            "play": kind == PLAY,
-        }
+        } | ({"play": True} if kind == PLAY else {})
     return {"ask": ask, "version": version, "push": said["wire"] if push else None}
 
 

@@ -64,3 +64,46 @@ def sampler_correction(ctx: Context):
             "do yet: the rollout ranks' samples would be weighted twice or not at all.",
             "--set algorithm.importance_sampling_correction=false, or another loss_type",
         )
+
+
+@rule
+def environments_stay_where_played(ctx: Context):
+    """A TRL environment class in process (env.servers 0) on rollout ranks: its instances live in the
+    rollout rank's process (rl/rolloutplay.py), so a reward function cannot get them as TRL's
+    `environments`."""
+    job = ctx.job
+    if not ctx.topo.rollout_devices or not job.env.name or job.env.servers != 0 or job.env.address:
+        return
+    from gpufleet.rules.trlenv import trl_envs
+
+    if trl_envs(ctx) is None:
+        return
+    for name in _taking(ctx, "environments"):
+        yield err(
+            [ctx.ref("placement.rollout"), ctx.ref("reward.functions")],
+            f"reward function {name} takes TRL's `environments`, and with placement.rollout the episodes "
+            "are played on the rollout rank: the environment instances live in its process, not in the "
+            "policy rank's where rewards are computed.",
+            "--set placement.rollout=colocate, or score in the environment (get_reward) and drop the "
+            "function's `environments` parameter",
+        )
+
+
+def _taking(ctx: Context, keyword: str) -> list[str]:
+    """The job's reward functions (module:function / file.py:function) with a parameter named `keyword`
+    (one that does not import is reward rules' to say)."""
+    import inspect
+
+    from gpufleet import usercode
+    from gpufleet.errors import UserError
+
+    out = []
+    for name in (n for n in ctx.job.reward.functions if ":" in n):
+        try:
+            fn = usercode.import_object(name, usercode.roots(ctx.r.job_path))
+            named = keyword in inspect.signature(fn).parameters
+        except (UserError, TypeError, ValueError):
+            continue
+        if named:
+            out.append(name)
+    return out
