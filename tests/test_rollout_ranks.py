@@ -291,9 +291,9 @@ def test_rollout_and_scorer_ranks_together_equal_colocated(user_dir):
 
 
 @pytest.mark.slow
-def test_an_env_job_samples_its_turns_on_the_rollout_rank(tmp_path):
-    """An agent job (env servers, 3 turns): 2 policy ranks with their turns sampled on a rollout rank train
-    as the 2 ranks sampling their own turns (every rank asks for every turn, as under FSDP)."""
+def test_an_env_job_plays_both_ranks_episodes_on_the_rollout_rank(tmp_path):
+    """An agent job (env servers, 3 turns): 2 policy ranks whose episodes one rollout rank plays (both
+    ranks' rows at once, each sent its own back) train as the 2 ranks playing their own episodes."""
     job = ROOT / "examples" / "agent-keys.yaml"
     (tmp_path / "job.yaml").write_text(job.read_text())
     two = ("placement.policy=0,1", "train.per_device_batch=16", "train.max_steps=4", "output.save_every=0")
