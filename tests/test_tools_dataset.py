@@ -140,7 +140,7 @@ def test_trls_tool_loop_on_data_rows(tmp_path, monkeypatch, chat):
     assert e.loss_mask[0][attn].tolist() == [1.0] * (len(call) + 1) + [0.0] * len(bridge) + [1.0] * (
         len(again) + 1
     )
-    prompts, completions = e.conversation
+    prompts, completions = e.conversation["prompts"], e.conversation["completions"]
     assert prompts[0] == said
     function = {"name": "multiply", "arguments": {"a": 2, "b": 3}}
     assert completions[0][0]["tool_calls"] == [{"type": "function", "function": function}]
@@ -168,7 +168,7 @@ def test_a_tool_result_past_max_completion_length_is_dropped_and_ends_the_episod
     turn = tok.encode("[add a=2,b=3]") + [tok.eos_token_id]  # 14 tokens; the bridge "T:5\nA:" 6
     bridge = p.chat.fmt.bridge([_tool("add", "5")])
     assert e.rollout.completion_ids[0][attn].tolist() == turn + bridge + turn  # 34 + 6 > 38: dropped
-    _, completions = e.conversation
+    completions = e.conversation["completions"]
     assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
     assert completions[0][1]["content"] == "5" and bool(e.rollout.is_truncated[0])
     assert e.counts["tool_calls"].tolist() == [2.0]  # the dropped result's call ran (TRL counts it too)
@@ -311,3 +311,61 @@ def test_kill9_then_resume_is_bitwise_identical_on_a_tools_on_data_job(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["reward"] for x in _rows(ref)] == [x["reward"] for x in _rows(run)]
     assert [x["tools/call_frequency"] for x in _rows(ref)] == [x["tools/call_frequency"] for x in _rows(run)]
+
+
+TRL_ENV = '''
+import json
+
+
+class Counter:
+    def reset(self, **kwargs) -> str | None:
+        self.target, self.count = kwargs["target"], 0
+        return None
+
+    def bump(self) -> str:
+        """Add one to the counter."""
+        self.count += 1
+        return str(self.count)
+
+
+def counted(prompts, completions, environments, target, **kwargs):
+    with open("seen.jsonl", "a") as f:
+        f.write(json.dumps({"counts": [e.count for e in environments], "target": list(target),
+                            "calls": [sum(len(m.get("tool_calls") or []) for m in c) for c in completions],
+                            "prompts": prompts, "keys": sorted(kwargs)}) + "\\n")
+    return [float(e.count == t) for e, t in zip(environments, target)]
+'''
+
+
+def test_trl_environment_reward_functions_get_the_instances_and_the_data_columns(tmp_path):
+    """TRL's `environments` (the episode's instances, env.servers 0) and the rows' columns."""
+    (tmp_path / "counter.py").write_text(TRL_ENV)
+    with (tmp_path / "rows.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"{i % 3}:", "target": i % 3}) + "\n")
+    (tmp_path / "job.yaml").write_text(
+        textwrap.dedent(
+            """
+            model: {path: builtin:tiny-qwen2}
+            data: {path: rows.jsonl}
+            env: {name: counter.py:Counter, format: chat, servers: 0, max_turns: 3, max_action_tokens: 8}
+            rollout: {max_prompt_length: 32}
+            reward: {functions: [counter.py:counted]}
+            algorithm: {num_generations: 4}
+            train: {per_device_batch: 16, max_steps: 2, log_every: 1}
+            output: {dir: run}
+            """
+        )
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("env.servers=auto"), cwd=tmp_path)
+    assert p.returncode == 2 and "'environments', which gpufleet does not pass" in p.stdout, p.stdout
+    assert "--set env.servers=0" in p.stdout  # the instances live on the servers then
+    p = run_user("train", "job.yaml", cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = [json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == 2 and all(len(s["counts"]) == len(s["target"]) == 16 for s in seen)
+    assert all(0 <= c <= 2 and c <= calls for s in seen for c, calls in zip(s["counts"], s["calls"]))
+    assert [m["content"] for m in seen[0]["prompts"][0]] == [f"{seen[0]['target'][0]}:"]
+    assert "environment" not in seen[0]["keys"] and "trainer_state" in seen[0]["keys"]

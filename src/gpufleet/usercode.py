@@ -131,14 +131,16 @@ def import_function(
     columns: Sequence[str] | None = None,
     folders: Sequence[str] | None = None,
     timeout: float | None = None,
+    passes: Sequence[str] = (),
 ) -> Callable:
     """The reward function `name` (`module:function` or `file.py:function`) points at, its signature
     checked against `call_reward`'s call; `columns`: the data columns passed by keyword (`reward_columns`;
     None when they cannot be known: then a parameter the call does not fill may still be a column);
     `folders`: where modules are looked for first (default: the working directory); `timeout`: seconds
-    the import may take (reward.timeout)."""
+    the import may take (reward.timeout); `passes`: the keywords of TRL_ONLY this job passes (to the
+    functions that take them, as LOGGING's)."""
     fn = import_object(name, folders, timeout=timeout)
-    _check_signature(name, fn, columns)
+    _check_signature(name, fn, columns, passes)
     return fn
 
 
@@ -291,14 +293,16 @@ def _import_failed(err, module_name: str, e: BaseException) -> RewardImportError
     )
 
 
-def _check_signature(name: str, fn: Callable, columns: Sequence[str] | None) -> None:
+def _check_signature(
+    name: str, fn: Callable, columns: Sequence[str] | None, passes: Sequence[str] = ()
+) -> None:
     """Refuse, in one line naming the parameter and the fix, a signature `call_reward` cannot call (TRL
     1.16 could not either, short of the keywords of TRL_ONLY, which gpufleet does not pass)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: nothing to read
         return
-    problem = _unbindable(getattr(fn, "__name__", None) or split(name)[1], sig, columns)
+    problem = _unbindable(getattr(fn, "__name__", None) or split(name)[1], sig, columns, passes)
     if problem is not None:
         raise _error(name, *problem)
 
@@ -307,7 +311,9 @@ def _quoted(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def _unbindable(label: str, sig: inspect.Signature, columns: Sequence[str] | None) -> tuple[str, str] | None:
+def _unbindable(
+    label: str, sig: inspect.Signature, columns: Sequence[str] | None, passes: Sequence[str] = ()
+) -> tuple[str, str] | None:
     """(why, fix) when `sig` cannot take the keywords `call_reward` passes; None when it can. With
     `columns` None (the data could not be read) a required parameter is not refused: it may be a column."""
     given = [*PASSED, *(columns or ())]
@@ -332,23 +338,25 @@ def _unbindable(label: str, sig: inspect.Signature, columns: Sequence[str] | Non
                 f"add **kwargs: {with_kwargs}",
             )
     if columns is not None:
-        missing = [n for n, p in keywordable.items() if p.default is p.empty and n not in [*given, *LOGGING]]
+        taken = [*given, *LOGGING, *passes]
+        missing = [n for n, p in keywordable.items() if p.default is p.empty and n not in taken]
         if missing:
             first = missing[0]
             why = (
-                f"TRL's {first!r}, which gpufleet does not pass"
+                f"TRL's {first!r}, which gpufleet does not pass to this job"
                 if first in TRL_ONLY
                 else f"{first!r}, which is not a column of the data (its columns: "
                 f"{', '.join(columns) or 'none besides the prompt'})"
             )
             fix = (
-                f"drop the parameter and read kwargs.get({first!r}) (None under gpufleet)"
+                f"--set env.servers=0 (gpufleet passes it for a TRL environment class in the trainer), or "
+                f"drop the parameter and read kwargs.get({first!r})"
                 if first in TRL_ONLY
                 else f"add a {first!r} column to the data, or give the parameter a default ({first}=None)"
             )
             return f"{has} needs the argument {why}; it gets {CALL}", fix
     try:  # whatever the cases above missed
-        logging = [k for k in LOGGING if k in keywordable]
+        logging = [k for k in (*LOGGING, *passes) if k in keywordable]
         (sig.bind if columns is not None else sig.bind_partial)(**dict.fromkeys([*given, *logging]))
     except TypeError as e:
         return f"{has} cannot be called as {CALL} ({e})", f"write it as {with_kwargs}"

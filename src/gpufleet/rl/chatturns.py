@@ -83,11 +83,12 @@ def split_turn(run: ChatRun, live: list, actions: list) -> tuple[list, list]:
 
 def columns(run: ChatRun | None, row_pos: list[int]) -> dict[str, list]:
     """The data rows' columns but the prompt, per episode (TRL's reward keyword arguments), for tools on
-    a data set; {} otherwise (an environment's rows go to its reset)."""
-    if run is None or run.data is None:
+    a data set or a TRL environment with a data set; {} otherwise."""
+    data = run.rows if run is not None else None
+    if data is None or data.source is None:
         return {}
-    rows = [run.data.row(pos) or {} for pos in row_pos]
-    names = [k for k in rows[0] if k != run.data.prompt_field] if rows else []
+    rows = [data.row(pos) or {} for pos in row_pos]
+    names = [k for k in rows[0] if k != data.prompt_field] if rows else []
     return {k: [r.get(k) for r in rows] for k in names}
 
 

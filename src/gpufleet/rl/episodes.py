@@ -101,7 +101,7 @@ class Episodes:
     """(B, T) the sampling log-prob of each policy token (0 elsewhere), where `generate` recorded them (a
     dedicated rollout rank: rl/rolloutplay.py); None otherwise."""
     columns: dict[str, list] = field(default_factory=dict)  # tools on a data set: the rows' other columns
-    conversation: tuple[list, list] | None = None  # chat: (prompts, completions) as TRL's message lists
+    conversation: dict[str, list] | None = None  # chat: TRL's reward arguments (rl/rewards.py)
 
 
 def play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_index: int) -> Episodes:
@@ -156,9 +156,13 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
     for e in eps:  # still running after max_turns (only when every rank stopped early: never here)
         if not e.done:
             e.done = e.truncated = True
+    environments = trlenv.instances(p.env, [e.id for e in eps]) if chat and chat.trl else None
     with p.rt.clock.phase("env"):
         p.env.close([e.id for e in eps])
-    return _assemble(p, eps, prompts, chatturns.columns(chat, row_pos))
+    out = _assemble(p, eps, prompts, chatturns.columns(chat, row_pos))
+    if environments is not None:  # TRL's `environments` (in this process only)
+        out.conversation["environments"] = environments
+    return out
 
 
 def _chat(p) -> chatturns.ChatRun | None:
@@ -308,7 +312,9 @@ def _assemble(p, eps: list[_Episode], prompts: list[str], columns: dict[str, lis
         counts=counts,
         logprobs=logprobs,
         columns=columns,
-        conversation=([e.said for e in eps], [e.messages for e in eps]) if p.chat is not None else None,
+        conversation={"prompts": [e.said for e in eps], "completions": [e.messages for e in eps]}
+        if p.chat is not None
+        else None,
     )
 
 

@@ -12,7 +12,7 @@ from gpufleet.dist import Runtime, all_true
 from gpufleet.engine.compiled import compile_layers, eager
 from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.engine.sampling import never_sampled
-from gpufleet.rl import rollouts
+from gpufleet.rl import rollouts, trlenv
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
 from gpufleet.rl.losses import Loss
@@ -109,7 +109,8 @@ def build(
         env_weight=job.env.reward_weight if job.env.name else None,
         model_dtype=reward_model_dtype(job),
         shard=rt if sharded(job, rt) else None,  # FSDP: 1/N of the reward model per policy rank
-        columns=source.reward_columns() if source else [],  # an env job's rewards get no data columns
+        columns=source.reward_columns() if source else trlenv.reward_columns(job),  # a TRL env's data
+        passes=trlenv.passes(job),  # TRL's environments (in process)
     )
     loss = Loss.from_job(job)
     suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)

@@ -28,7 +28,7 @@ from gpufleet.watchdog import Overdue, deadline, innermost_locals, where_stuck
 
 
 def resolve_function(
-    name: str, timeout: float | None = None, columns: Sequence[str] | None = None
+    name: str, timeout: float | None = None, columns: Sequence[str] | None = None, passes: Sequence[str] = ()
 ) -> Callable:
     """A built-in reward name (`task/fn`) or a `module:function` import path, bound as `gpufleet check`
     binds it: its signature checked against the data's `columns` (`usercode.reward_columns`)."""
@@ -41,7 +41,7 @@ def resolve_function(
             raise UserError(
                 str(e), field="reward.functions", fix="use module:function or a built-in name"
             ) from None
-    return import_function(name, columns, timeout=timeout)
+    return import_function(name, columns, timeout=timeout, passes=passes)
 
 
 class RewardModel:
@@ -115,12 +115,13 @@ class Rewards:
         model_dtype: str = "float32",
         shard: Runtime | None = None,
         columns: Sequence[str] | None = None,
+        passes: Sequence[str] = (),
     ):
         """`model_dtype`, `shard`: how the reward model is loaded (`RewardModel`); `columns`: the data
         columns the functions get (`usercode.reward_columns`; None: unknown), checked against their
-        signatures here as `gpufleet check` does."""
+        signatures here as `gpufleet check` does; `passes`: TRL's `environments` when the job passes it."""
         names = list(cfg.functions) or ([] if env_weight is not None else list(default_names))
-        self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout, columns) for n in names]
+        self.fns: list[Callable | None] = [resolve_function(n, cfg.timeout, columns, passes) for n in names]
         self.names = [n.split(":")[-1].split("/")[-1] if ":" in n else n.replace("/", "_") for n in names]
         if cfg.model:
             # None: the reward model lives on a dedicated scorer rank, its scores arrive with the batch.
@@ -154,26 +155,30 @@ class Rewards:
         env_rewards: torch.Tensor | None = None,
         completion_ids: list[list[int]] | None = None,
         log: RewardLog | None = None,
-        conversation: tuple[list, list] | None = None,
+        conversation: dict[str, list] | None = None,
     ) -> torch.Tensor:
         """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
         `env_rewards`: the episodes' environment rewards (first column of an env job); `completion_ids`:
         each completion's token ids, for the functions' `completion_ids`; `log`: TRL's `trainer_state`,
-        `log_metric`, `log_extra` for the functions that take them; `conversation`: (prompts, completions)
-        as TRL's message lists, what the functions get instead of the text (chat episodes)."""
+        `log_metric`, `log_extra` for the functions that take them; `conversation`: chat episodes' TRL
+        arguments -- `prompts` and `completions` as message lists, which the functions get instead of the
+        text, and `environments` (TRL environment instances in this process), for the functions that take
+        it."""
         logging = log.keywords() if log is not None else None
+        trl = dict(conversation or {})
+        said = (trl.pop("prompts"), trl.pop("completions")) if trl else None
+        if trl:  # environments: passed like the logging keywords, to the functions that take them
+            logging = {**(logging or {}), **trl}
         cols = {k: columns[k] for k in reward_columns(columns)}
         out = torch.empty(len(completions), len(self.labels), dtype=torch.float32)
         if self.env:
             out[:, 0] = env_rewards
         for j, (fn, label) in enumerate(zip(self.fns, self.names, strict=True), start=int(self.env)):
-            said = conversation if conversation is not None and not isinstance(fn, RewardModel) else None
+            texts = (prompts, completions) if said is None or isinstance(fn, RewardModel) else said
             values = (
                 model_scores
                 if fn is None
-                else _call_checked(
-                    fn, label, *(said or (prompts, completions)), cols, self.timeout, completion_ids, logging
-                )
+                else _call_checked(fn, label, *texts, cols, self.timeout, completion_ids, logging)
             )
             out[:, j] = torch.tensor(values, dtype=torch.float32)
         return out

@@ -153,6 +153,34 @@ def trl_run(job) -> TrlRun | None:
     return TrlRun(schemas(job.env.name, envs), source, job.data.prompt_field)
 
 
+def reward_columns(job) -> list[str]:
+    """The data columns a TRL environment job's reward functions get by keyword (TRL passes the rows'
+    columns but the prompt, `environment` included); [] without a data set or a TRL environment."""
+    if not job.env.name or not reads_data(job) or env_classes(job.env.name) is None:
+        return []
+    from gpufleet.rl.data import PromptSource
+
+    return PromptSource(job.data, job.train.seed).reward_columns()
+
+
+def passes(job) -> tuple[str, ...]:
+    """("environments",) when the job's reward functions get TRL's `environments`: a TRL environment
+    class in this process (env.servers 0, no env.address); () otherwise."""
+    in_process = job.env.servers == 0 and not job.env.address
+    return ("environments",) if in_process and env_classes(job.env.name) is not None else ()
+
+
+def instances(pool, ids: list[str]) -> list | None:
+    """The user's environment instances of episodes `ids` (TRL's `environments` reward argument), where
+    they live in this process (env.servers 0: a LocalPool, env/table.py); None on env servers."""
+    table = getattr(pool, "_table", None)
+    live = getattr(table, "_live", None)
+    if live is None or any(eid not in live for eid in ids):
+        return None
+    found = [getattr(live[eid].env, "env", None) for eid in ids]  # env/trl.py TrlEnv.env: the instance
+    return None if any(f is None for f in found) else found
+
+
 def action(content: str, calls: list) -> str:
     """A policy turn as the environment takes it (env/trl.py `step`)."""
     from gpufleet.env.trl import message

@@ -117,11 +117,14 @@ def rewards_resolvable(ctx: Context):
     known = tasks.reward_names()
     # a user's function, or a built-in one given other data than its task's: bound to the data's columns
     foreign = [n for n in names if ":" in n or (n in known and data.path != f"builtin:{n.split('/')[0]}")]
-    columns = ([] if env_job else _reward_columns(ctx)) if foreign else None
+    columns = ([] if env_job and not _trl_data(ctx) else _reward_columns(ctx)) if foreign else None
     for name in names:
         if ":" in name:
             try:
-                usercode.import_function(name, columns, usercode.roots(ctx.r.job_path), rw.timeout)
+                from gpufleet.rules.trlenv import reward_passes
+
+                roots = usercode.roots(ctx.r.job_path)
+                usercode.import_function(name, columns, roots, rw.timeout, passes=reward_passes(ctx))
             except usercode.RewardImportError as e:
                 yield err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name in known:

@@ -22,6 +22,13 @@ def trl_envs(ctx: Context) -> dict | None:
         return None
 
 
+def reward_passes(ctx: Context) -> tuple[str, ...]:
+    """TRL's keywords the job's reward functions get beyond gpufleet's: ("environments",) for a TRL
+    environment in the trainer (env.servers 0), as rl/trlenv.py `passes` says for train."""
+    env = ctx.job.env
+    return ("environments",) if env.servers == 0 and not env.address and trl_envs(ctx) is not None else ()
+
+
 def first_options(ctx: Context) -> dict | None:
     """The reset options of the first episode of a TRL environment job with a local data file (its first
     row in file order), for check's trial of the environment (env/probe.py); None otherwise."""
