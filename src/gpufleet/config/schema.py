@@ -137,8 +137,11 @@ class RolloutSection(Section):
     (rollout/staleness) and its sampling log-probs (algorithm.importance_sampling_correction)."""
 
     tools: StrList | None = None
-    """Python functions the policy may call in an env job with env.format chat (TRL's `tools`):
-    `[module:function, path/to/file.py:function, ...]`, looked up like reward functions. Each is offered
+    """Python functions the policy may call (TRL's `tools`): `[module:function, path/to/file.py:function,
+    ...]`, looked up like reward functions. Without an env section they run on the data set's prompts as
+    TRL's tool loop does (chat episodes: the row's prompt, tool results as `tool` messages, the whole
+    conversation within rollout.max_completion_length, scored by the reward functions); with an env they
+    need env.format chat. Each is offered
     through the chat template with the JSON schema transformers' `get_json_schema` builds from its
     signature and docstring (type hints and an `Args:` section); a turn's tool calls are parsed with the
     tokenizer's response template (`parse_response`), run (async functions too) and answered as `tool`
@@ -146,7 +149,8 @@ class RolloutSection(Section):
 
     max_tool_calling_iterations: int | None = Field(None, ge=0)
     """Tool-calling turns per episode at most (TRL's name and default: None, no limit other than
-    env.max_turns); a turn with tool calls past it goes to the environment as an ordinary action."""
+    env.max_turns, or rollout.max_completion_length without an env); a turn with tool calls past it goes
+    to the environment as an ordinary action (without an env: it ends the episode, as in TRL)."""
 
     tool_timeout: float = Field(60.0, gt=0)
     """Seconds one tool call may take; past it the call's result is an error and the run goes on."""

@@ -87,7 +87,11 @@ OPTIONS: dict[str, TrlOption] = {
         "the class (or a dict of them) as module:Class / file.py:Class / file.py:DICT, with env.format: chat",
         None,
     ),
-    "tools": _at("rollout.tools", "module:function or file.py:function, in an env job with env.format: chat"),
+    "tools": _at(
+        "rollout.tools",
+        "module:function or file.py:function: on a plain dataset (TRL's tool loop), or in an env job with "
+        "env.format: chat",
+    ),
     "max_tool_calling_iterations": _at("rollout.max_tool_calling_iterations"),
     "chat_template_kwargs": _at("rollout.chat_template_kwargs"),
     "train_dataset": _at("data.path", "a file, a hub dataset or builtin:<task>", None),
