@@ -173,6 +173,23 @@ def test_async_env_job_is_one_step_stale_corrected_and_resumes_exactly_after_kil
 
 
 @pytest.mark.slow
+def test_async_env_job_does_not_depend_on_the_policy_rank_count(tmp_path):
+    """One step ahead, 2 policy ranks whose episodes one rollout rank plays train as 1 policy rank with the
+    same global batch: weights within 1e-5, rewards, env metrics and TRL's sampling metrics."""
+    user = _user(tmp_path, "agent-keys.yaml")
+    one, two = user / "runs" / "one", user / "runs" / "two"
+    values = ("train.max_steps=6", "train.log_every=1", "train.learning_rate=1e-3", *ASYNC)
+    _train(user, "agent-keys.yaml", one, *values, "train.per_device_batch=32")
+    two_ranks = ("placement.policy=0,1", "placement.rollout=2", "train.per_device_batch=16")
+    _train(user, "agent-keys.yaml", two, *values, *two_ranks)
+    assert_same_run(one, two)
+    keys = [k for k in _metrics(one)[0] if k.startswith(("sampling/", "rollout/staleness", "env/"))]
+    assert len([k for k in keys if k.startswith("sampling/")]) == 5
+    for a, b in zip(_metrics(one), _metrics(two), strict=True):
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], rel=1e-4, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.slow
 def test_a_killed_env_server_is_replayed_for_the_rollout_rank(tmp_path):
     """kill -9 the env server the rollout rank plays on, mid-run: it is restarted, the rollout rank's pool
     replays the episodes it held from their seeds, and the run ends as an undisturbed one, bit for bit."""
