@@ -93,18 +93,10 @@ def answer(pl: Player, asks: list[dict]) -> list:
 def _rows(ep: Episodes, start: int, stop: int, version: int) -> Answer:
     """Episodes start..stop-1 as `play` would have returned them alone (padded only as wide as they
     need), on the CPU."""
-    r = ep.rollout.to("cpu")
-    keep = r.prompt_mask[start:stop]
-    P, width = r.prompt_ids.shape[1], int(keep.sum(1).max())
-    T = max(1, int(r.completion_mask[start:stop].sum(1).max()))
-    rollout = Rollout(
-        r.prompt_ids[start:stop, P - width :],
-        keep[:, P - width :],
-        r.completion_ids[start:stop, :T],
-        r.completion_mask[start:stop, :T],
-        r.completion_lengths[start:stop],
-        r.is_truncated[start:stop],
-    )
+    r = ep.rollout.to("cpu")  # as wide as the longest episode (`completion_lengths` counts policy tokens)
+    rollout = replace(r, completion_lengths=r.completion_mask.sum(1)).rows(start, stop)
+    rollout = replace(rollout, completion_lengths=r.completion_lengths[start:stop])
+    T = rollout.completion_ids.shape[1]
     played = {
         "loss_mask": ep.loss_mask[start:stop, :T].cpu(),
         "env_rewards": ep.env_rewards[start:stop],
