@@ -153,10 +153,13 @@ def profile(model, rows: list[list[int]], device: str, top: int = 18) -> None:
 
     ours(model, rows, 8)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=True) as prof:
         ours(model, rows, 25)
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=150), flush=True)
+    # the host-side ops that launched those kernels, by input shape (which tensors the copies and adds touch)
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    print(by_shape.table(sort_by=key, row_limit=top, max_name_column_width=40, max_shapes_column_width=80))
 
 
 def check(model, rows: list[list[int]], steps: int = 8) -> str:

@@ -12,7 +12,8 @@
 # at 64 rows beside it), update (bench/gpu_update.py: forward + backward of 8 x 1,024 tokens against the bf16
 # matmul peak: autocast, FSDP2 mixed precision, Liger's kernels), step (bench/vs_trl.py --preset gpu-long:
 # gpufleet's whole step vs TRL 1.16's at 64 completions x 512 tokens in bf16, with the plan's memory against the
-# measured peak), gpu (the older `gpu` preset: 16 x 64 tokens, fp32 and bf16).
+# measured peak), profile (bench/gpu_step_profile.py: one step of that job under the torch profiler, each phase's
+# host and GPU time, then the kernels), gpu (the older `gpu` preset: 16 x 64 tokens, fp32 and bf16).
 # Python packages the machine lacks (TRL, transformers 5.23, pydantic, liger-kernel ...) travel as wheels in
 # .whl/ (bench/README.md says which) and are installed into /tmp/site first.
 set -u
@@ -51,7 +52,13 @@ for part in $PARTS; do
         timeout "${STEP_LIMIT:-240}" $PY bench/vs_trl.py --src src --preset gpu-long --device "$DEVICE" --here \
             --threads 8 --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" --startup-runs 0 --precision bf16 --seeds 42 \
             --out "$WORK/long" 2>&1 | tee "$OUT/step.log"
-        grep -h "memory/\|Error\|error" "$WORK"/long/*.log 2>/dev/null | tail -n 12 | tee -a "$OUT/step.log" ;;
+        grep -h "memory/\|Error\|error" "$WORK"/long/*.log 2>/dev/null | tail -n 12 | tee -a "$OUT/step.log"
+        for m in $(find "$WORK/long" -name metrics.jsonl); do  # gpufleet's phases, per step (s)
+            $PY -c 'import json,sys; [print("[phases]", {k.split("/")[1]: round(v, 3) for k, v in r.items() if k.startswith("timing/") and k.count("/") == 1 and v}, "step", round(r["step_time"], 3)) for r in map(json.loads, open(sys.argv[1]))]' "$m"
+        done 2>&1 | tee -a "$OUT/step.log" ;;
+    profile)
+        timeout "${PROFILE_LIMIT:-150}" $PY bench/gpu_step_profile.py --device "$DEVICE" ${PROFILE_ARGS:-} 2>&1 \
+            | tee "$OUT/profile.log" ;;
     gpu)
         common=(--src src --preset gpu --device "$DEVICE" --here --threads 8 --steps "${STEPS:-10}" --warmup 3 --startup-runs 0)
         timeout "${FP32_LIMIT:-330}" $PY bench/vs_trl.py "${common[@]}" --seeds 42 --out "$WORK/fp32" 2>&1 | tee "$OUT/fp32.log"

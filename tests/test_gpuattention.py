@@ -65,6 +65,37 @@ def test_the_kernels_attend_to_each_rows_keys_as_sdpa_does():
     assert float(out) < 1e-5
 
 
+def test_the_kernel_writes_the_steps_keys_and_values_and_attends_to_them():
+    """``new``: the step's keys and values (strided views, as the decoder's q/k/v split leaves them) land
+    in the slot of every row and head, the output is the attention with them written first (one split or
+    several, the slot at a split's first key), and the rest of the cache is untouched."""
+    out = run_interpreted(
+        """
+        import torch
+        from gpufleet.engine import gpuattention as ga
+        torch.manual_seed(1)
+        worst, exact = 0.0, True
+        rows, heads, kv, dim, capacity = 3, 14, 2, 64, 150
+        q = torch.randn(rows, heads + 2 * kv, dim)[:, :heads]
+        fresh = torch.randn(dim, rows, 2 * kv).permute(1, 2, 0)  # stride over D is not 1
+        k_new, v_new = fresh[:, :kv], fresh[:, kv:]
+        start = torch.tensor([0, 3, 1])
+        for at, splits in [(140, None), (64, (3, 64)), (64, (1, capacity + 64))]:
+            k, v = torch.randn(rows, kv, capacity, dim), torch.randn(rows, kv, capacity, dim)
+            slot = torch.tensor([at])
+            k_ref, v_ref = k.clone(), v.clone()
+            k_ref[:, :, at], v_ref[:, :, at] = k_new, v_new
+            ref = ga.attend(q, k_ref, v_ref, start, slot, 0.125, splits)
+            got = ga.attend(q, k, v, start, slot, 0.125, splits, new=(k_new, v_new))
+            worst = max(worst, float((got - ref).abs().max()))
+            exact &= torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        print(worst, exact)
+        """
+    )
+    worst, exact = out.split()
+    assert float(worst) < 1e-6 and exact == "True"
+
+
 def test_the_decoder_with_the_kernels_gives_its_usual_logits_and_rollouts():
     """Prefill + decode steps of the fast decoder (padded prompts, GRPO groups prefilled once) through
     the kernels, against the same decoder with them off (SDPA over the written slots), and a rollout."""

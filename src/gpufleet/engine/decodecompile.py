@@ -4,9 +4,9 @@ Under the CUDA graph (``graphdecode``) a step's kernels run back to back, but ea
 microseconds however little it does; a layer's elementwise work (the norms' float32 math, RoPE's
 multiplies and roll, the split of q/k/v, SwiGLU's ``silu(gate) * up``, the residual adds) is a dozen of
 them. ``torch.compile`` (Inductor) fuses each run of elementwise work between two matmuls into one
-kernel. Two pieces per layer are compiled, around the cache write and the attention (which stay as
-they are: an index copy into the cache, which a compiled region would copy whole, and
-``gpuattention``'s Triton kernels):
+kernel. Two pieces per layer are compiled, around the attention (which stays as it is: ``gpuattention``'s
+Triton kernels, which also write the step's keys and values into the cache; a compiled region would
+copy the cache whole to write it):
 
 * ``attention_inputs``: input norm, q/k/v, Qwen3's q/k norms, RoPE;
 * ``decode_tail``: output projection, residual, post-attention norm, gate/up, SwiGLU, down, residual.

@@ -371,7 +371,8 @@ class FastDecoder:
         ``slot`` an int: attend to the slots before it and to it (the key mask, if any, cut there). A
         one-element tensor (``GraphStep``, where no value may come from the host): write there through
         an index op and attend to the whole cache, the key mask (which the caller opened at ``slot``)
-        hiding the slots not written yet.
+        hiding the slots not written yet. With ``gpuattention`` (``self.start`` set) its kernel writes the
+        slot and attends to each row's written keys only.
         """
         cos, signed_sin = self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
         x = F.embedding(token, self.embed)
@@ -381,15 +382,25 @@ class FastDecoder:
         pre, tail = decodecompile.pieces(x.device)
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             q, k, v = pre(layer, x, cos, signed_sin, self.heads, self.kv_heads, self.head_dim)
-            if isinstance(slot, torch.Tensor):
-                k_cache.index_copy_(2, slot, k.unsqueeze(2))
-                v_cache.index_copy_(2, slot, v.unsqueeze(2))
+            if self.start is not None:  # the kernel writes k and v to the slot too
+                attended = gpuattention.attend(
+                    q, k_cache, v_cache, self.start, slot, self.scaling, new=(k, v)
+                )
             else:
-                k_cache[:, :, slot] = k
-                v_cache[:, :, slot] = v
-            if self.start is not None:
-                attended = gpuattention.attend(q, k_cache, v_cache, self.start, slot, self.scaling)
-            else:
+                _write_slot(k_cache, v_cache, slot, k, v)
                 attended = self._attend_last(q, k_cache, v_cache, length)
             x = tail(layer, x, attended)
         return self._logits(x)
+
+
+def _write_slot(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write a step's keys and values (B, H_kv, D) to cache slot ``slot`` (an int, or a one-element tensor
+    read on the device: an index copy, which a CUDA graph can replay)."""
+    if isinstance(slot, torch.Tensor):
+        k_cache.index_copy_(2, slot, k.unsqueeze(2))
+        v_cache.index_copy_(2, slot, v.unsqueeze(2))
+    else:
+        k_cache[:, :, slot] = k
+        v_cache[:, :, slot] = v

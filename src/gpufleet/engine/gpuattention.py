@@ -11,7 +11,9 @@ decoding, split-K):
   its group once (GQA: each key and value is read once per group, not once per query head), reads its
   split's keys from the row's first real token (``start``, after the left padding) up to the slot being
   written (read from a device tensor, so the graph's replays need no host value), and keeps an online
-  softmax (running max, sum and weighted values in float32);
+  softmax (running max, sum and weighted values in float32); given the step's own keys and values, the
+  program whose split holds the slot writes them there and attends to them from its registers (the
+  step's cache write without two more kernels);
 * ``_combine``: per (row, query head), the splits' partial sums rescaled to the common max.
 
 Splits make enough programs for the GPU at few rows (16 rows x 2 key/value heads are 32 programs
@@ -72,18 +74,28 @@ if triton is not None:
 
     @triton.jit
     def _partial(
-        q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, acc_ptr, stats_ptr,
+        q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, acc_ptr, stats_ptr, kn_ptr, vn_ptr,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
         scale, per_split, splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, WRITE: tl.constexpr,
     ):  # fmt: skip
         row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kv_heads = tl.num_programs(1)
+        slot = tl.load(slot_ptr)
         lo = tl.maximum(tl.load(start_ptr + row), split * per_split)
-        hi = tl.minimum(tl.load(slot_ptr) + 1, (split + 1) * per_split)
+        hi = tl.minimum(slot + 1, (split + 1) * per_split)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
+        k_base = k_ptr + row * stride_kb + head * stride_kh
+        v_base = v_ptr + row * stride_vb + head * stride_vh
+        if WRITE:  # this step's key and value: the split that holds the slot writes them and uses them
+            k_new = tl.load(kn_ptr + row * stride_knb + head * stride_knh + d * stride_knd)
+            v_new = tl.load(vn_ptr + row * stride_vnb + head * stride_vnh + d * stride_vnd)
+            if (slot >= split * per_split) & (slot < (split + 1) * per_split):
+                tl.store(k_base + slot * stride_kt + d, k_new)
+                tl.store(v_base + slot * stride_vt + d, v_new)
         q = tl.load(
             q_ptr + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
             mask=g[:, None] < GROUP,
@@ -92,12 +104,15 @@ if triton is not None:
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         total = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, D), tl.float32)
-        k_base = k_ptr + row * stride_kb + head * stride_kh
-        v_base = v_ptr + row * stride_vb + head * stride_vh
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < hi
-            k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=live[:, None], other=0.0)
+            cached = live
+            if WRITE:  # the slot's key comes from the registers: this program's store may not be visible yet
+                cached = live & (n != slot)
+            k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=cached[:, None], other=0.0)
+            if WRITE:
+                k = tl.where((n == slot)[:, None], k_new[None, :], k)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -107,7 +122,9 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=cached[:, None], other=0.0)
+            if WRITE:
+                v = tl.where((n == slot)[:, None], v_new[None, :], v)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -150,12 +167,15 @@ def attend(
     slot: torch.Tensor,
     scale: float,
     splits: tuple[int, int] | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row, q (B, H, D), to cached keys ``start[b] .. slot`` of each row
     (``start`` (B,) long: the row's left padding; ``slot`` (1,) long: the slot this step wrote) of
     ``k_cache``/``v_cache`` (B, H_kv, capacity, D), query head h using key/value head h // (H / H_kv)
     -> (B, H * D) in q's dtype. ``splits``: ``plan_splits``'s (splits, keys per split); default from
-    the device's multiprocessor count."""
+    the device's multiprocessor count. ``new``: this step's keys and values (B, H_kv, D each, any
+    strides), written to ``slot`` by the kernel (the cache write of the step, without two more
+    kernels) and attended as written. q may be a view with unit stride over D (no copy is made)."""
     rows, heads, dim = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -164,16 +184,19 @@ def attend(
         splits = plan_splits(rows, kv_heads, capacity, processors)
     count, per_split = splits
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k_new, v_new = new if new is not None else (q, q)  # (q: unused pointers when nothing is written)
     acc = torch.empty((rows, kv_heads, count, block_g, dim), dtype=torch.float32, device=q.device)
     stats = torch.empty((rows, kv_heads, count, 2, block_g), dtype=torch.float32, device=q.device)
     out = torch.empty((rows, heads, dim), dtype=q.dtype, device=q.device)
     _partial[(rows, kv_heads, count)](
-        q, k_cache, v_cache, start, slot, acc, stats,
+        q, k_cache, v_cache, start, slot, acc, stats, k_new, v_new,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *k_new.stride(), *v_new.stride(),
         scale, per_split, count,
         GROUP=group, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, D=dim, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        WRITE=new is not None, num_warps=4,
     )  # fmt: skip
     _combine[(rows, heads)](
         acc, stats, out, count, heads,

@@ -9,6 +9,8 @@ A graph replays fixed shapes and fixed addresses, so the captured step (``FastDe
 with a tensor ``slot``) takes nothing from the host:
 
 * the token, position and cache slot of each step are copied into buffers the graph reads;
+* with ``gpuattention`` (the default on a GPU) its kernel writes the new keys and values to the slot
+  and attends to each row's written keys (the slot read from a device tensor); without it:
 * the new keys and values go to the slot through ``index_copy_``, and the attention runs over the
   whole preallocated cache (its unwritten slots zeroed once: a masked slot's weight is 0, and 0 times
   the NaN an uninitialised slot may hold is NaN), the decoder's key mask (-inf on every slot not
