@@ -52,8 +52,9 @@ def rollout_process(
     bucket = push_bucket(r, models)
     # the answers it holds: one per batch ahead and the one being sampled
     sent = served * batch_tensors * (job.rollout.async_steps + 1)
-    scoring = 0  # the sampling log-probs: one no-grad pass over the completions (rl/rollouts.py)
-    if job.algorithm.importance_sampling_correction:
+    scoring = 0  # the sampling log-probs are recorded while decoding; greedy single-turn rows take a
+    # no-grad pass over the completions after it (rl/rolloutserve.py), where they are asked for
+    if _logprob_pass(job):
         sizes = {"batch": micro, "prompt_tokens": job.rollout.max_prompt_length}
         sizes |= {"completion_tokens": job.completion_tokens(), "fused_logprobs": True}
         scoring = logprob_scoring_bytes(pol.arch, pol.params, infer, cached_weight_copies=False, **sizes)
@@ -70,6 +71,12 @@ def rollout_process(
         phases={"rollout": roll["peak"], "scoring": scoring},
         detail=detail,
     )
+
+
+def _logprob_pass(job) -> bool:
+    """Whether the rollout rank may run a forward for the sampling log-probs: with the correction, greedy
+    single-turn rows (sampling records them while decoding; env turns record them or go without)."""
+    return job.algorithm.importance_sampling_correction and job.rollout.temperature == 0 and not job.env.name
 
 
 def push_bucket(r: Resolved, models: Models) -> int:
