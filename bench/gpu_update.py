@@ -11,6 +11,8 @@ synchronisations (median of ``--repeats`` after 2 warm-ups), in each mode:
 * ``autocast``: fp32 weights, bf16 autocast (``train.precision: bf16``);
 * ``fsdp-mp``: FSDP2 over a one-rank group with mixed precision (bf16 parameters gathered, fp32
   reduction: what ``placement.strategy: fsdp`` runs with bf16);
+* ``autocast+compile``: ``autocast`` with every decoder layer compiled (``train.torch_compile``:
+  ``engine/compiled.compile_layers``; the compilation is in the warm-ups);
 * ``autocast+liger``: ``autocast`` after Liger Kernel's Qwen2 patches (its RMSNorm, RoPE and SwiGLU
   kernels; only where ``liger_kernel`` imports), the kernel library TRL's ``use_liger_kernel`` uses.
 
@@ -31,6 +33,7 @@ import torch
 from flops import forward_flops
 from gpu_decode import build, sync
 
+from gpufleet.engine.compiled import compile_layers
 from gpufleet.engine.logprobs import sequence_logprobs
 
 
@@ -109,7 +112,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=None, help="default 1024 (cpu: 128)")
     ap.add_argument("--completion", type=int, default=None, help="default 960 (cpu: 96)")
-    ap.add_argument("--modes", default="autocast,fsdp-mp,autocast+liger")
+    ap.add_argument("--modes", default="autocast,autocast+compile,fsdp-mp,autocast+liger")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "gpu_update.json")
     a = ap.parse_args()
@@ -126,6 +129,8 @@ def main() -> None:
             model = build(name, a.device, torch.float32).train()
             if mode == "fsdp-mp":
                 model = fsdp_one_rank(model, a.device)
+            if mode.endswith("+compile"):
+                compile_layers(model)
             if mode.endswith("+liger") and liger(model) is None:
                 print(f"{name:13s} {mode:15s} skipped: liger_kernel does not import")
                 continue

@@ -54,6 +54,7 @@ def job_sets(a: argparse.Namespace, p: Preset, out: Path) -> list[str]:
         f"train.max_steps={a.steps}",
         f"train.seed={a.seed}",
         f"train.precision={a.precision}",
+        f"train.torch_compile={str(getattr(a, 'torch_compile', False)).lower()}",
         "train.log_every=1",
         "train.samples_every=0",
         f"output.dir={out}",

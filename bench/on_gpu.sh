@@ -6,6 +6,7 @@
 #     bash bench/on_gpu.sh                     # PARTS="tests decode update step" by default
 #     DEVICE=cpu bash bench/on_gpu.sh          # the same table at small shapes, here
 #     PARTS="decode" DECODE_ARGS="--models qwen2.5-1.5b --rows 256" bash bench/on_gpu.sh
+#     PARTS="step" STEP_ARGS="--torch-compile" bash bench/on_gpu.sh       # gpufleet's layers compiled
 #
 # Parts: tests (the CUDA tests of the decoder), decode (bench/gpu_decode.py: ms per decode step against the
 # memory-bandwidth limit, bf16, 0.5B and 1.5B shapes, 16/64/256 rows, prompt 256, 512 new tokens; HF's generate
@@ -51,7 +52,7 @@ for part in $PARTS; do
     step)
         timeout "${STEP_LIMIT:-240}" $PY bench/vs_trl.py --src src --preset gpu-long --device "$DEVICE" --here \
             --threads 8 --steps "${STEPS:-4}" --warmup "${WARMUP:-2}" --startup-runs 0 --precision bf16 --seeds 42 \
-            --out "$WORK/long" 2>&1 | tee "$OUT/step.log"
+            ${STEP_ARGS:-} --out "$WORK/long" 2>&1 | tee "$OUT/step.log"
         grep -h "memory/\|Error\|error" "$WORK"/long/*.log 2>/dev/null | tail -n 12 | tee -a "$OUT/step.log"
         for m in $(find "$WORK/long" -name metrics.jsonl); do  # gpufleet's phases, per step (s)
             $PY -c 'import json,sys; [print("[phases]", {k.split("/")[1]: round(v, 3) for k, v in r.items() if k.startswith("timing/") and k.count("/") == 1 and v}, "step", round(r["step_time"], 3)) for r in map(json.loads, open(sys.argv[1]))]' "$m"

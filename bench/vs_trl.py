@@ -67,6 +67,7 @@ def run_worker(kind: str, seed: int, a: argparse.Namespace, work: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--seed", str(seed)]
     cmd += ["--preset", a.preset, "--steps", str(a.steps), "--lr", repr(a.lr), "--threads", str(a.threads)]
     cmd += ["--device", a.device, "--precision", a.precision, "--out", str(out), "--result", str(result)]
+    cmd += ["--torch-compile"] if a.torch_compile else []
     log = work / f"{kind}-seed{seed}.log"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -183,6 +184,12 @@ def parse_args() -> argparse.Namespace:
         choices=("fp32", "bf16"),
         default="fp32",
         help="fp32 (default), or bf16 autocast over fp32 weights in both (gpufleet train.precision, TRL bf16)",
+    )
+    ap.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="gpufleet with train.torch_compile=true (each decoder layer compiled for the training and scoring "
+        "forwards); TRL as it is (its torch_compile compiles the model its generate calls too)",
     )
     ap.add_argument(
         "--here",

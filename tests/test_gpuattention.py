@@ -66,7 +66,7 @@ def test_the_kernels_attend_to_each_rows_keys_as_sdpa_does():
 
 
 def test_the_kernel_writes_the_steps_keys_and_values_and_attends_to_them():
-    """``new``: the step's keys and values (strided views, as the decoder's q/k/v split leaves them) land
+    """``new``: the step's keys and values (strided views, as the decoder's q/k/v split leaves them; q too) land
     in the slot of every row and head, the output is the attention with them written first (one split or
     several, the slot at a split's first key), and the rest of the cache is untouched."""
     out = run_interpreted(
@@ -76,7 +76,7 @@ def test_the_kernel_writes_the_steps_keys_and_values_and_attends_to_them():
         torch.manual_seed(1)
         worst, exact = 0.0, True
         rows, heads, kv, dim, capacity = 3, 14, 2, 64, 150
-        q = torch.randn(rows, heads + 2 * kv, dim)[:, :heads]
+        q = torch.randn(dim, heads + 2 * kv, rows).permute(2, 1, 0)[:, :heads]  # the few-row matmul's layout
         fresh = torch.randn(dim, rows, 2 * kv).permute(1, 2, 0)  # stride over D is not 1
         k_new, v_new = fresh[:, :kv], fresh[:, kv:]
         start = torch.tensor([0, 3, 1])
@@ -85,7 +85,7 @@ def test_the_kernel_writes_the_steps_keys_and_values_and_attends_to_them():
             slot = torch.tensor([at])
             k_ref, v_ref = k.clone(), v.clone()
             k_ref[:, :, at], v_ref[:, :, at] = k_new, v_new
-            ref = ga.attend(q, k_ref, v_ref, start, slot, 0.125, splits)
+            ref = ga.attend(q.contiguous(), k_ref, v_ref, start, slot, 0.125, splits)
             got = ga.attend(q, k, v, start, slot, 0.125, splits, new=(k_new, v_new))
             worst = max(worst, float((got - ref).abs().max()))
             exact &= torch.equal(k, k_ref) and torch.equal(v, v_ref)

@@ -75,7 +75,7 @@ if triton is not None:
     @triton.jit
     def _partial(
         q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, acc_ptr, stats_ptr, kn_ptr, vn_ptr,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
         scale, per_split, splits,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -97,7 +97,7 @@ if triton is not None:
                 tl.store(k_base + slot * stride_kt + d, k_new)
                 tl.store(v_base + slot * stride_vt + d, v_new)
         q = tl.load(
-            q_ptr + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :],
+            q_ptr + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :] * stride_qd,
             mask=g[:, None] < GROUP,
             other=0.0,
         )
@@ -175,7 +175,8 @@ def attend(
     -> (B, H * D) in q's dtype. ``splits``: ``plan_splits``'s (splits, keys per split); default from
     the device's multiprocessor count. ``new``: this step's keys and values (B, H_kv, D each, any
     strides), written to ``slot`` by the kernel (the cache write of the step, without two more
-    kernels) and attended as written. q may be a view with unit stride over D (no copy is made)."""
+    kernels) and attended as written. q may be any view (the compiled RoPE leaves it in the few-row
+    matmul's transposed layout): its strides are the kernel's, no copy is made."""
     rows, heads, dim = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -184,15 +185,13 @@ def attend(
         splits = plan_splits(rows, kv_heads, capacity, processors)
     count, per_split = splits
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     k_new, v_new = new if new is not None else (q, q)  # (q: unused pointers when nothing is written)
     acc = torch.empty((rows, kv_heads, count, block_g, dim), dtype=torch.float32, device=q.device)
     stats = torch.empty((rows, kv_heads, count, 2, block_g), dtype=torch.float32, device=q.device)
     out = torch.empty((rows, heads, dim), dtype=q.dtype, device=q.device)
     _partial[(rows, kv_heads, count)](
         q, k_cache, v_cache, start, slot, acc, stats, k_new, v_new,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *k_new.stride(), *v_new.stride(),
         scale, per_split, count,
         GROUP=group, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, D=dim, IEEE=q.dtype == torch.float32,
