@@ -63,7 +63,7 @@ def main() -> None:
     )
     # steps: 1 unprofiled (warm-up), 2 profiled, 3 unprofiled (its end holds the final save)
     schedule = torch.profiler.schedule(wait=1, warmup=0, active=1, repeat=1)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True) as prof:
         train(job, out / "run", rt, log=lambda _line: prof.step())
     events = prof.key_averages()
     key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
@@ -72,6 +72,11 @@ def main() -> None:
         device_us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
         print(f"  {e.key:20s} host {e.cpu_time_total / 1e3:9.1f} ms   device {device_us / 1e3:9.1f} ms")
     print(events.table(sort_by=key, row_limit=a.top, max_name_column_width=110), flush=True)
+    # the host's side: which ops are issued most often, by input shape (each a kernel launch on a GPU)
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    print(
+        by_shape.table(sort_by="count", row_limit=a.top, max_name_column_width=40, max_shapes_column_width=90)
+    )
 
 
 if __name__ == "__main__":
