@@ -55,6 +55,7 @@ def _played(logprobs: bool) -> Answer:
     loss = torch.tensor([[1.0, 1, 0, 0, 1], [1, 1, 0, 0, 0]])
     rollout = Rollout(prompt, prompt_mask, ids, attention, loss.sum(1).long(), torch.tensor([False, True]))
     played = {
+        "seconds": 1.5,
         "loss_mask": loss,
         "env_rewards": torch.tensor([0.5, -1.25]),
         "counts": {"turns": torch.tensor([2.0, 1.0]), "success": torch.tensor([1.0, 0.0])},
@@ -114,7 +115,7 @@ def test_played_episodes_arrive_as_sent(tmp_path):
             assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
         assert (got.logprobs is None) == (not lp)
         assert not lp or torch.equal(got.logprobs, sent.logprobs)
-        assert got.played["rest"] == sent.played["rest"]
+        assert got.played["rest"] == sent.played["rest"] and got.played["seconds"] == 1.5
         for key in ("loss_mask", "env_rewards"):
             assert got.played[key].dtype == torch.float32 and torch.equal(got.played[key], sent.played[key])
         assert got.played["counts"].keys() == sent.played["counts"].keys()
@@ -137,6 +138,8 @@ def test_episodes_played_on_the_rollout_rank_train_to_the_colocated_weights(tmp_
     for key in ("env/turns_mean", "env/invalid_action_rate", "completions/mean_length"):
         assert [m[key] for m in a] == pytest.approx([m[key] for m in b], abs=1e-9), key
     assert all(m["timing/env"] == 0 and m["timing/weight_sync"] > 0 for m in b)  # the envs are not here
+    assert all(0 < m["timing/rollout_env"] < m["step_time"] for m in b)  # they are on the rollout rank
+    assert "timing/rollout_env" not in a[0]
     assert _samples(colocated) == _samples(remote)  # the same transcripts, trained marks, rewards
 
 

@@ -81,11 +81,16 @@ def answer(pl: Player, asks: list[dict]) -> list:
     pl.sampling = _Recording(first["sampling"], bool(first["logprobs"]))
     rows = [row for a in asks for row in a["ask"]["prompt_ids"]]  # (row, group position, batch)
     seeds = [s for a in asks for s in a["ask"]["seeds"]]
+    spent = pl.rt.clock.seconds
+    before = spent["env"] + spent["tools"]
     ep = play(pl, [r[0] for r in rows], [r[1] for r in rows], seeds, rows[0][2])
+    seconds = spent["env"] + spent["tools"] - before
     out, start = [], 0
     for a in asks:
         stop = start + len(a["ask"]["prompt_ids"])
-        out.append(pack_answer(_rows(ep, start, stop, a["version"])))
+        answer = _rows(ep, start, stop, a["version"])
+        answer.played["seconds"] = seconds
+        out.append(pack_answer(answer))
         start = stop
     return out
 
@@ -118,6 +123,7 @@ def episodes(
     if p.remote is None:
         return play(p, rows, row_pos, seeds, gen_index), None
     got = rollouts.fetch(p.remote, p.policy, gen_index, lambda g: request(p, g, layout))
+    p.remote.env_seconds += got.played.get("seconds", 0.0)
     return episodes_of(got, p.device), replace(got, rollout=got.rollout.to(p.device))
 
 

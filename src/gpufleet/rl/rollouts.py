@@ -71,6 +71,9 @@ class RemoteRollout:
     wait_seconds: float = 0.0
     """Seconds spent waiting on the rollout rank (to take a request, for an answer) since the last
     `take_wait_seconds`."""
+    env_seconds: float = 0.0
+    """An env job: seconds the rollout rank spent in env and tool calls playing the batches taken since the
+    last `take_env_seconds` (rl/rolloutplay.py)."""
     link: PolicyEnd = field(init=False)
     """This end of the wire (rl/rolloutwire.py): what the rollout rank was told, the answers to come."""
 
@@ -86,6 +89,10 @@ class RemoteRollout:
 
     def take_wait_seconds(self) -> float:
         seconds, self.wait_seconds = self.wait_seconds, 0.0
+        return seconds
+
+    def take_env_seconds(self) -> float:
+        seconds, self.env_seconds = self.env_seconds, 0.0
         return seconds
 
 

@@ -53,7 +53,8 @@ class Answer:
     version: int
     played: dict | None = None
     """An env job's episodes (rl/rolloutplay.py): loss_mask, env_rewards, counts (tensors) and `rest`
-    (the texts and other per-episode lists, pickled); None for single-turn rows."""
+    (the texts and other per-episode lists, pickled), seconds (the rollout rank's in env and tool calls
+    playing them); None for single-turn rows."""
 
 
 @dataclass
@@ -225,7 +226,7 @@ def _pack_played(a: Answer) -> list[torch.Tensor]:
     r, played, lp = a.rollout, a.played, a.logprobs
     rows, P, T = r.prompt_ids.shape[0], r.prompt_ids.shape[1], r.completion_ids.shape[1]
     names = sorted(played["counts"])
-    blob = pickle.dumps({"rest": played["rest"], "counts": names})
+    blob = pickle.dumps({"rest": played["rest"], "counts": names, "seconds": played.get("seconds", 0.0)})
     parts = [
         _rollout_block(r, 0).flatten(),
         played["loss_mask"].long().flatten(),
@@ -257,6 +258,7 @@ def _recv_played(src: int, group, expect_rows: int) -> Answer | None:
     columns = counts.view(torch.float64).view(rows, K).float()
     played = {
         "rest": meta["rest"],
+        "seconds": meta["seconds"],
         "loss_mask": mask.view(rows, T).float(),
         "env_rewards": rewards.view(torch.float64).float(),
         "counts": {k: columns[:, i].contiguous() for i, k in enumerate(meta["counts"])},

@@ -78,6 +78,8 @@ def train(
             p.remote.stepped()
             m["timing/weight_sync"] = p.remote.take_sync_seconds()
             m["timing/rollout_wait"] = p.remote.take_wait_seconds()
+            if job.env.name:  # the envs are called there: their time playing the batch trained
+                m["timing/rollout_env"] = p.remote.take_env_seconds()
         if refsync.due(job, step + 1):
             _sync_reference(p)
         m["learning_rate"] = sched.get_last_lr()[0]
