@@ -291,12 +291,15 @@ def test_rollout_and_scorer_ranks_together_equal_colocated(user_dir):
 
 
 @pytest.mark.slow
-def test_an_env_job_plays_both_ranks_episodes_on_the_rollout_rank(tmp_path):
-    """An agent job (env servers, 3 turns): 2 policy ranks whose episodes one rollout rank plays (both
-    ranks' rows at once, each sent its own back) train as the 2 ranks playing their own episodes."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_env_job_plays_both_ranks_episodes_on_the_rollout_rank(tmp_path, strategy):
+    """An agent job (env servers, 3 turns): 2 policy ranks (DDP; FSDP: colocated they play in step) whose
+    episodes one rollout rank plays (both ranks' rows at once, each sent its own back) train as the 2 ranks
+    playing their own episodes."""
     job = ROOT / "examples" / "agent-keys.yaml"
     (tmp_path / "job.yaml").write_text(job.read_text())
     two = ("placement.policy=0,1", "train.per_device_batch=16", "train.max_steps=4", "output.save_every=0")
+    two += (f"placement.strategy={strategy}",)
     colocated, remote = tmp_path / "runs" / "colocated", tmp_path / "runs" / "remote"
     for run, extra in ((colocated, ()), (remote, ("placement.rollout=2",))):
         p = run_user("train", "job.yaml", *sets(*two, f"output.dir={run}", *extra), cwd=tmp_path, timeout=400)
