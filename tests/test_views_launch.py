@@ -171,3 +171,27 @@ def test_report_of_a_launched_script_in_a_real_browser(launched, tmp_path):
     dom, console = chromium(probe)
     widths = [int(w) for w in re.search(r'data-widths="([\d,]+)"', dom).group(1).split(",")]
     assert len(widths) == 2 and min(widths) > 500 and console == []  # progress.png, devices.png decode
+
+
+def test_watch_of_a_script_that_failed_before_its_first_progress_line(tmp_path):
+    """Rank 1 raises at once: watch says which rank failed with its exit code and its last line (the
+    error), not that no progress line came yet."""
+    home = tmp_path / "me"
+    home.mkdir()
+    (home / "job.yaml").write_text(JOB)
+    (home / "work.py").write_text(
+        "import os, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise SystemExit('bad config: data.csv not found')\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run(
+        [console_script(), "launch", "job.yaml", "--gpus", "cpu", "--nproc", "2"],
+        cwd=home, env=process_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout + done.stderr
+    p = run_user("watch", "run", "--once", cwd=home)
+    words = " ".join(p.stdout.split())  # the header may wrap at the terminal's width
+    assert "no progress lines yet" not in words, p.stdout
+    assert re.match(r"run launched script failed before its first progress line: rank 1 exit 1: bad config: "
+                    r"data\.csv not found", words), p.stdout  # fmt: skip

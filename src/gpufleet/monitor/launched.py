@@ -89,12 +89,15 @@ class Launched:
             return None
         return max(total - self.samples, 0) / rate
 
-    def failed(self) -> str | None:
-        """`rank 1 exit 3` of the first rank that failed, None when none did."""
+    def failed(self, last_line: bool = False) -> str | None:
+        """`rank 1 exit 3` of the first rank that failed, None when none did; `last_line`: with that rank's
+        last output line after a colon (its error, most often), where it printed one."""
         if not self.failures:
             return None
         first = min(self.failures, key=lambda f: f.get("time", 0.0))
-        return f"rank {first.get('rank', '?')} exit {first.get('code', '?')}"
+        said = f"rank {first.get('rank', '?')} exit {first.get('code', '?')}"
+        words = self.last_lines.get(first.get("rank")) if last_line else None
+        return f"{said}: {words}" if words else said
 
     def command(self) -> str:
         import shlex

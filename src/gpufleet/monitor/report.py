@@ -137,7 +137,7 @@ def _launched(run: Run, ln: Launched) -> list[str]:
             parts.append("<h3>Recipe</h3>" + _table(["", "reference", "now"], ln.recipe_rows()))
     else:
         parts.append("<p class='muted'>no launch.json in this run folder (gpufleet launch writes it)</p>")
-    failed = ln.failed()
+    failed = ln.failed(last_line=True)
     if failed:
         parts.append(f"<p class='warn'>failed: {html.escape(failed)}</p>")
     parts.append("<h3>Each rank's last line</h3>")

@@ -113,14 +113,19 @@ def _launched_header(run: Run, ln: Launched) -> Text:
     """samples (of the recipe's total), samples/s over the newest progress lines, ETA or how it ended."""
     total, rate = ln.total_samples, ln.rate()
     if not ln.points:
-        return Text(
-            f"{run.name}  launched script  no progress lines yet (rank 0 prints them with "
-            "gpufleet.progress.report(samples), or set script.progress_regex)",
-            style="bold",
-        )
+        if failed := ln.failed(last_line=True):
+            said = f"failed before its first progress line: {failed}"
+        elif ended(run.devices):
+            said = "ended before its first progress line (see logs/rank<R>.log)"
+        else:
+            said = (
+                "no progress lines yet (rank 0 prints them with gpufleet.progress.report(samples), or set "
+                "script.progress_regex)"
+            )
+        return Text(f"{run.name}  launched script  {said}", style="bold")
     done = f"samples {ln.samples}" + (f"/{total} ({ln.samples / total:.0%})" if total else "")
     speed = f"{rate:.4g} samples/s" if rate is not None else "? samples/s"
-    failed = ln.failed()
+    failed = ln.failed(last_line=True)
     if failed:
         end = f"failed: {failed}"
     elif _finished(run) or ended(run.devices):  # (a script without a recipe: its ranks have exited)
