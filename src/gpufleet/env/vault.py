@@ -130,3 +130,50 @@ def reads_result(prompts: list, completions: list, **_: Any) -> list[float]:
         result, _, after = rest.partition("\nA:")
         out.append(float(bool(tool and result and after) and after[:1] == result[:1]))
     return out
+
+
+class Vault:
+    """The vault as a TRL environment class (`env.name: gpufleet.env.vault:Vault`, TRL's
+    environment_factory contract): each episode's key is one of KEYS (drawn with the episode's seed, so
+    the G episodes of a group share it), the prompt says nothing about it, and the tool `k()` -- no
+    argument: the instance knows its vault -- returns it. `key_found` scores the answer."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.key = random.choice(KEYS)
+        return "key:"
+
+    def k(self) -> str:
+        """The key of this vault."""
+        return self.key
+
+
+def key_found(prompts: list, completions: list, environments: list, **_: Any) -> list[float]:
+    """TRL-style reward (needs the instances: env.servers 0): 1 when the episode's last turn starts with
+    its vault's key, which only the tool call told it."""
+    return [
+        float(said(c[-1:]).strip()[:1] == env.key if c else False)
+        for c, env in zip(completions, environments, strict=True)
+    ]
+
+
+def calls_k(prompts: list, completions: list, **_: Any) -> list[float]:
+    """Shaping: the share of the call `[k]` the episode's first turn starts with."""
+    out = []
+    for episode in completions:
+        text, n = said(episode[:1] if isinstance(episode, list) else episode), 0
+        while n < min(len(text), 3) and text[n] == "[k]"[n]:
+            n += 1
+        out.append(n / 3)
+    return out
+
+
+def answers_a_key(prompts: list, completions: list, **_: Any) -> list[float]:
+    """Shaping: 1 when the turn after a tool result starts with one of the 10 keys (any of them: the
+    right one is `key_found`'s), so that the answer position keeps trying keys while the copy is learned."""
+    out = []
+    for episode in completions:
+        roles = [m.get("role") for m in episode] if isinstance(episode, list) else []
+        after = episode[roles.index("tool") + 1 :] if "tool" in roles else []
+        first = said(after[:1]).strip()[:1] if after else ""
+        out.append(float(bool(first) and first in KEYS))
+    return out

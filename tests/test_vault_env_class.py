@@ -1,0 +1,58 @@
+"""The vault as a TRL environment class (env/vault.py `Vault`): a no-argument tool that only the episode's
+instance can answer, and the rewards that score it from TRL's message lists and `environments`."""
+
+from __future__ import annotations
+
+import random
+
+from gpufleet.env.trl import TrlEnv, tool_schemas
+from gpufleet.env.vault import KEYS, Vault, answers_a_key, calls_k, key_found
+
+
+def _call(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": {}}}
+
+
+def test_the_key_is_the_instances_and_only_its_tool_says_it():
+    assert [s["function"]["name"] for s in tool_schemas(Vault)] == ["k"]
+    keys = set()
+    for seed in range(40):
+        env = TrlEnv(Vault, {})
+        obs, _ = env.reset(seed=seed)
+        assert obs == "key:"  # the prompt says nothing about the key
+        again = TrlEnv(Vault, {})
+        again.reset(seed=seed)
+        assert again.env.key == env.env.key  # a group's episodes share it; a replay finds it again
+        keys.add(env.env.key)
+        assert env.env.k() == env.env.key in KEYS
+    assert len(keys) >= 8
+    random.seed(0)
+
+
+def test_rewards_read_trls_message_lists_and_the_instances():
+    env = Vault()
+    env.key = KEYS[3]
+    call = {"role": "assistant", "content": "", "tool_calls": [_call("k")]}
+    result = {"role": "tool", "name": "k", "content": env.key}
+    right = [call, result, {"role": "assistant", "content": env.key + "xy"}]
+    wrong = [call, result, {"role": "assistant", "content": KEYS[4]}]
+    no_call = [{"role": "assistant", "content": env.key}]  # a lucky guess without the tool still counts
+    prompts = [[{"role": "user", "content": "key:"}]] * 3
+    assert key_found(prompts, [right, wrong, no_call], environments=[env] * 3) == [1.0, 0.0, 1.0]
+    assert calls_k(prompts, [right, [{"role": "assistant", "content": "[kx"}], []]) == [1.0, 2 / 3, 0.0]
+    assert answers_a_key(prompts, [right, wrong, no_call]) == [1.0, 1.0, 0.0]
+
+
+def test_the_example_runs_from_the_installed_cli(tmp_path):
+    import json
+    from pathlib import Path
+
+    from helpers import run_user, sets
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent-vault-trl.yaml"
+    more = ("output.dir=run", "train.max_steps=2", "train.per_device_batch=32", "train.log_every=1")
+    p = run_user("train", str(example), *sets(*more), cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("rewards/key_found/mean", "rewards/calls_k/mean", "tools/call_frequency"):
+        assert key in rows[-1], key
