@@ -366,6 +366,26 @@ def test_trl_environment_reward_functions_get_the_instances_and_the_data_columns
     assert p.returncode == 0, p.stdout + p.stderr
     seen = [json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()]
     assert len(seen) == 2 and all(len(s["counts"]) == len(s["target"]) == 16 for s in seen)
-    assert all(0 <= c <= 2 and c <= calls for s in seen for c, calls in zip(s["counts"], s["calls"]))
+    assert all(
+        0 <= c <= 2 and c <= calls for s in seen for c, calls in zip(s["counts"], s["calls"], strict=True)
+    )
     assert [m["content"] for m in seen[0]["prompts"][0]] == [f"{seen[0]['target'][0]}:"]
     assert "environment" not in seen[0]["keys"] and "trainer_state" in seen[0]["keys"]
+
+
+def test_check_refuses_a_template_that_drops_tool_results_with_tools_on_data(tmp_path):
+    """The template must support tool calling (TRL's supports_tool_calling): said on rollout.tools."""
+    from gpufleet.models.builtin import materialize
+
+    folder = materialize("tiny-qwen2", tmp_path / "cache")
+    jinja = folder / "chat_template.jinja"
+    jinja.write_text(jinja.read_text().replace("{{ 'T:' + (m.content | string) + '\\n' }}", ""))
+    _files(tmp_path)
+    _job_file(tmp_path)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(f"model.path={folder}"), cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert (
+        "rollout.tools: " in p.stdout
+        and "cannot lay out tool calls: it drops tool calls or tool results" in p.stdout
+    )
+    assert "or remove rollout.tools" in p.stdout and "Traceback" not in p.stdout + p.stderr
