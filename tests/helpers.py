@@ -112,3 +112,31 @@ def gloo_done() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+def kill9_after_steps(argv: list[str], run, steps: int, *, cwd, log, env=None, timeout: float = 300) -> None:
+    """Start the training command `argv` in its own session, and once `run`/metrics.jsonl has `steps` rows
+    kill -9 its whole process group (launcher, torchrun, workers) and reap it. The command's output goes to
+    `log` (a path), which the assertion shows if the run ends or stalls first."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    metrics, log = Path(run) / "metrics.jsonl", Path(log)
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env or process_env(),
+            cwd=cwd,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from helpers import run_process
+from helpers import kill9_after_steps, run_process
 
 TOOLS = '''
 import time
@@ -247,10 +247,7 @@ def test_two_ranks_equal_one_rank_on_a_chat_episode_job(tmp_path):
 @pytest.mark.slow
 def test_kill9_then_resume_is_bitwise_identical_on_a_chat_episode_job_with_a_tool(tmp_path):
     """The agent-tools example (chat episodes, a tool): kill -9 mid-run, resume, same weights bit for bit."""
-    import os
-    import signal
     import subprocess
-    import time
     from pathlib import Path
 
     import torch
@@ -274,21 +271,7 @@ def test_kill9_then_resume_is_bitwise_identical_on_a_chat_episode_job_with_a_too
         argv(ref), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen(
-        argv(run),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=process_env(),
-        cwd=tmp_path,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= 5):
-        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill9_after_steps(argv(run), run, 5, cwd=tmp_path, log=tmp_path / "killed.log")
     p = subprocess.run(
         argv(run), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
     )

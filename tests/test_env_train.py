@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import process_env
+from helpers import kill9_after_steps, process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = str(ROOT / "examples" / "agent-keys.yaml")
@@ -161,16 +161,7 @@ def test_kill9_then_resume_is_bitwise_identical_on_an_env_job(tmp_path):
     sets = ("train.max_steps=8", "output.save_every=3", "train.per_device_batch=32", "train.log_every=1")
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert train(ref, *sets).returncode == 0
-    log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen(
-        argv(run, *sets), stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT, start_new_session=True
-    )
-    deadline = time.monotonic() + 120
-    while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= 5):
-        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill9_after_steps(argv(run, *sets), run, 5, cwd=ROOT, log=tmp_path / "killed.log", env=env(), timeout=120)
     assert not (run / "final").exists()
     p = train(run, *sets)
     assert p.returncode == 0, p.stdout + p.stderr

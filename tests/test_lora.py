@@ -5,11 +5,8 @@ the weights of 1, export writes the adapter and (--merge) one model with the sam
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from safetensors.torch import load_file
 from gpufleet.config.schema import ModelSection, TrainSection
 from gpufleet.models import load_causal_lm, resolve_model_path
 from gpufleet.models.lora import apply, trainable_parameters
-from helpers import process_env, run_cli, run_user
+from helpers import kill9_after_steps, process_env, run_cli, run_user
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "examples" / "quickstart.yaml")
@@ -142,15 +139,7 @@ def test_lora_kill9_then_resume_is_bitwise_identical(tmp_path):
     argv = [sys.executable, "-m", "gpufleet", "train", QUICK, "--gpus", "cpu", "--set", f"output.dir={run}"]
     for s in (*LORA, "train.per_device_batch=32", "train.log_every=1", *sets):
         argv += ["--set", s]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=process_env(),
-                            cwd=ROOT, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill9_after_steps(argv, run, 5, cwd=ROOT, log=tmp_path / "killed.log", timeout=120)
     p = train(run, *sets)
     assert p.returncode == 0 and "resuming from" in p.stdout, p.stdout + p.stderr
     a, b = adapter(ref / "final"), adapter(run / "final")

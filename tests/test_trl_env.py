@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_user, sets
+from helpers import kill9_after_steps, run_user, sets
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = (ROOT / "examples" / "trl_env.py").read_text()
@@ -440,7 +440,6 @@ def test_kill9_then_resume_is_bitwise_identical_on_a_trl_env_job_on_env_servers(
     """The example on an env server: kill -9 the whole run mid-way, resume, the same weights bit for bit
     (episodes are rebuilt from their seeds: reset's random state is the episode's)."""
     import subprocess
-    import time
 
     import torch
     from safetensors.torch import load_file
@@ -466,21 +465,7 @@ def test_kill9_then_resume_is_bitwise_identical_on_a_trl_env_job_on_env_servers(
         argv("ref"), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen(
-            argv("run"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=process_env(),
-            cwd=tmp_path,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 300
-        while not ((tmp_path / "run" / "metrics.jsonl").exists() and len(rows("run")) >= 5):
-            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "killed.log").read_text()
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    kill9_after_steps(argv("run"), tmp_path / "run", 5, cwd=tmp_path, log=tmp_path / "killed.log")
     p = subprocess.run(
         argv("run"), capture_output=True, text=True, env=process_env(), cwd=tmp_path, timeout=600
     )
