@@ -155,17 +155,17 @@ def test_no_split_when_it_cannot_help(tmp_path):
     assert table.startswith("gpufleet plan") and "rollout on its own devices" not in table
 
 
-def test_env_job_gets_no_split(tmp_path):
-    """An env job's turns cannot be sampled ahead (check refuses async_steps with an env)."""
-    (tmp_path / "job.yaml").write_text(
-        yaml.safe_dump(yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text()))
-    )
-    _, plain = _plan_json(tmp_path, "job.yaml", "3x24GB")
-    assert plain["rollout_splits"]
+def test_env_job_gets_a_split_that_check_accepts(tmp_path):
+    """An env job's rollout rank plays whole episodes, one step ahead: agent-keys on 3x24GB is proposed
+    policy 0,1 and rollout 2 with async_steps 1, which plans as proposed and passes check."""
     job = yaml.safe_load((EXAMPLES / "agent-keys.yaml").read_text())
     (tmp_path / "agent.yaml").write_text(yaml.safe_dump(job))
     _, out = _plan_json(tmp_path, "agent.yaml", "3x24GB")
-    assert out["plan"] is not None and out["rollout_splits"] == []
+    (split,) = out["rollout_splits"]
+    assert "--set placement.rollout=2" in split["sets"] and "--set rollout.async_steps=1" in split["sets"]
+    _fed_back(tmp_path, "agent.yaml", "3x24GB", split)
+    done = run_user("check", "agent.yaml", "--gpus", "3x24GB", *shlex.split(split["command"]), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_split_cost_by_hand():
