@@ -85,6 +85,7 @@ def answer(pl: Player, asks: list[dict]) -> list:
     before = spent["env"] + spent["tools"]
     ep = play(pl, [r[0] for r in rows], [r[1] for r in rows], seeds, rows[0][2])
     seconds = spent["env"] + spent["tools"] - before
+    ep = replace(ep, rollout=ep.rollout.to("cpu"), loss_mask=ep.loss_mask.cpu())  # once, then cut per rank
     out, start = [], 0
     for a in asks:
         stop = start + len(a["ask"]["prompt_ids"])
@@ -96,14 +97,14 @@ def answer(pl: Player, asks: list[dict]) -> list:
 
 
 def _rows(ep: Episodes, start: int, stop: int, version: int) -> Answer:
-    """Episodes start..stop-1 as `play` would have returned them alone (padded only as wide as they
-    need), on the CPU."""
-    r = ep.rollout.to("cpu")  # as wide as the longest episode (`completion_lengths` counts policy tokens)
+    """Episodes start..stop-1 (on the CPU) as `play` would have returned them alone (padded only as wide
+    as they need)."""
+    r = ep.rollout  # as wide as the longest episode (`completion_lengths` counts policy tokens)
     rollout = replace(r, completion_lengths=r.completion_mask.sum(1)).rows(start, stop)
     rollout = replace(rollout, completion_lengths=r.completion_lengths[start:stop])
     T = rollout.completion_ids.shape[1]
     played = {
-        "loss_mask": ep.loss_mask[start:stop, :T].cpu(),
+        "loss_mask": ep.loss_mask[start:stop, :T],
         "env_rewards": ep.env_rewards[start:stop],
         "counts": {k: v[start:stop] for k, v in ep.counts.items()},
         "rest": {f.name: _cut(getattr(ep, f.name), start, stop) for f in fields(ep) if f.name not in TENSORS},
