@@ -1,6 +1,6 @@
 """The CPU decode loop with its per-step bookkeeping in C (``gpufleet_sample_advance`` in engine/cpu_kernels.c).
 
-``rollout._decode`` runs each step as a dozen small torch operations around the model (the pad for
+``decodeloop.loop`` runs each step as a dozen small torch operations around the model (the pad for
 finished rows, the token and mask columns, the done flags, the count of live rows, the rows the decoder
 still runs): on the ``small`` benchmark about a fifth of a rollout's CPU time went there and to the
 sampler's calls, next to the C decode step. Here a step is the C decode step, the sampler's C
@@ -8,7 +8,7 @@ preparation, ``torch.softmax`` (kept: the tokens are those of ``sampling.pick``,
 call that picks each live row's token and does the bookkeeping; the mask is made once at the end from
 the step each row finished at. Used for the fast decoder's C step (``FastDecoder.native``) when
 sampling with a temperature and neither top-k nor top-p, and no ``all_done`` collective; the rollout is
-the one ``rollout._decode`` makes otherwise, bit for bit (tested).
+the one ``decodeloop.loop`` makes otherwise, bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def decode(
     drop_fraction: float,
     record: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(completion ids, completion mask), each (B, steps): the tokens of ``rollout._decode``'s loop.
+    """(completion ids, completion mask), each (B, steps): the tokens of ``decodeloop.loop``.
 
     ``suppress``: the ids never sampled, and those before ``min_new_tokens`` (EOS added). Finished rows
     leave the decoder once ``drop_fraction`` of the rows it runs are done. ``record`` (B, max_new_tokens):
