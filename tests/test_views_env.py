@@ -68,3 +68,23 @@ def test_watch_and_report_of_an_agent_run_show_the_environment(tmp_path):
     page = (run / "report" / "index.html").read_text()
     assert ">Environment</h2>" in page and 'id="fig-environment"' in page
     assert "<h2 id='env-servers'>Environment servers</h2>" in page and "<td>env server 0</td>" in page
+
+
+def test_watch_and_report_of_a_trl_env_run_show_the_tools_not_a_success_rate_never_said(tmp_path):
+    """A TRL environment class run (its tools called in chat episodes): watch and report show tools/* beside
+    env/*, and leave out env/success_rate, which such a class never says (NaN on every step)."""
+    run = tmp_path / "vault"
+    sets = ["output.dir=vault", "train.max_steps=2", "train.per_device_batch=32", "train.log_every=1"]
+    argv = ["train", str(ROOT / "examples" / "agent-vault-trl.yaml")]
+    p = run_user(*argv, *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["env/success_rate"] != r["env/success_rate"] for r in rows if "step" in r)  # NaN
+    w = run_user("watch", str(run), "--once", cwd=tmp_path)
+    assert w.returncode == 0, w.stderr
+    for key in ("tools/call_frequency", "tools/failure_frequency", "env/turns_mean"):
+        assert re.search(rf" {re.escape(key)} +│ +[\d.]+ │", w.stdout), w.stdout
+    assert "env/success_rate" not in w.stdout and "nan" not in w.stdout.lower(), w.stdout
+    r = run_user("report", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'id="fig-environment"' in (run / "report" / "index.html").read_text()

@@ -132,8 +132,8 @@ def progress(runs: list[Run], path: Path) -> bool:
 
 
 def environment(runs: list[Run], path: Path) -> bool:
-    """An agent run's env/* metrics against the step, and each environment server's CPU% and memory."""
-    keys = list(dict.fromkeys(k for r in runs for k in r.env_keys()))
+    """An agent run's env/* and tools/* metrics against the step, and each environment server's CPU% and memory."""
+    keys = list(dict.fromkeys(k for r in runs for k in r.agent_keys()))
     servers = [r for r in runs if env_server_series(r.devices)]
     if not keys and not servers:
         return False

@@ -10,6 +10,7 @@ CPU-only node `node1:rank3`), on one node `GPU 0` (`rank 3`), as `device_label` 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,12 +162,16 @@ class Run:
         pts = [(int(m["step"]), float(m[key])) for m in self.metrics if key in m and "step" in m]
         return [s for s, _ in pts], [v for _, v in pts]
 
-    def env_keys(self) -> list[str]:
-        """The env/* metrics of an agent run (the environment's own numbers), in order of appearance."""
-        keys: dict[str, None] = {}
+    def agent_keys(self) -> list[str]:
+        """The env/* and tools/* metrics of an agent run (what the environment and the tool calls say), in
+        order of appearance; a metric never finite is left out (env/success_rate of environments that
+        never say whether an episode succeeded, e.g. TRL environment classes)."""
+        keys: dict[str, bool] = {}
         for m in self.metrics:
-            keys.update((k, None) for k in m if k.startswith("env/"))
-        return list(keys)
+            for k, v in m.items():
+                if k.startswith(("env/", "tools/")):
+                    keys[k] = keys.get(k, False) or _finite(v)
+        return [k for k, finite in keys.items() if finite]
 
     @property
     def several_nodes(self) -> bool:
@@ -220,3 +225,8 @@ def max_steps(run: Run) -> int | None:
 
     found = re.search(r"^\s*(?:#\s*)?max_steps:\s*(\d+)", run.job_yaml, re.MULTILINE)  # train: comes first
     return int(found.group(1)) if found else None
+
+
+def _finite(value) -> bool:
+    """A number that is not NaN or infinite (metrics.jsonl writes NaN for a figure with nothing to count)."""
+    return isinstance(value, int | float) and math.isfinite(value)

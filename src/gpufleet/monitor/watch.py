@@ -151,7 +151,7 @@ def _curves(run: Run) -> Table:
         return t
     for key, name in (("reward", "reward"), ("kl", "kl"), ("completions/mean_length", "length")):
         _row(t, name, run.series(key)[1])
-    for key in run.env_keys():  # an agent run: what the environment says
+    for key in run.agent_keys():  # an agent run: what the environment and the tools say
         _row(t, key, run.series(key)[1])
     return t
 
