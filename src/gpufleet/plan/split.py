@@ -12,10 +12,11 @@ says so. Each layout is planned with the memory savers the fixes use (smaller mi
 FSDP) and kept only when it is comfortable (>= 10% free on every device) and splits into whole groups.
 Listed as fixes are: the same training (generation batch) first, then by expected time per completion,
 `speed.split_cost` (an estimate from the job's shape, see speed.py), then the fewest rollout devices.
-An env job's rollout rank plays whole episodes (rl/rolloutplay.py), so env jobs get splits too. No split
-for tools on a data set (played by the policy ranks) or vespo with the sampler correction (both refused
-by `check`; so is a reward function taking TRL's `environments` of an in-process TRL environment on
-rollout ranks, which this module cannot see without importing it). No torch import.
+An env job's rollout rank plays whole episodes (rl/rolloutplay.py), and so does a job with tools on a data
+set (TRL's tool loop, the tools called on the rollout rank), so both get splits too. No split for vespo with
+the sampler correction (refused by `check`; so is a reward function taking TRL's `environments` of an
+in-process TRL environment on rollout ranks, which this module cannot see without importing it). No torch
+import.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def find_splits(
 ) -> list[Fix]:
     """Comfortable layouts with the rollout on devices of its own (see the module docstring)."""
     job = r.job
-    if hw.is_cpu or job.placement.rollout != "colocate" or (job.rollout.tools and not job.env.name):
-        return []  # (tools on a data set are played by the policy ranks: check refuses rollout ranks there)
+    if hw.is_cpu or job.placement.rollout != "colocate":
+        return []
     if job.algorithm.loss_type == "vespo" and job.algorithm.importance_sampling_correction:
         return []
     models = models or load_models(r, env)

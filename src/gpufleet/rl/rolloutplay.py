@@ -1,4 +1,5 @@
-"""An env job's episodes played on its dedicated rollout rank (`placement.rollout` with `env.name`).
+"""Episodes played on a dedicated rollout rank (`placement.rollout`): an env job's (`env.name`), and those of
+TRL's tools on a data set (rollout.tools without env.name, rl/tooldata.py).
 
 The rollout rank plays whole episodes itself, with the episode code the policy ranks run when they play
 their own (rl/episodes.py `play`): it opens its own way to the environments (env/connect.py `open_pool`:
@@ -6,9 +7,12 @@ every environment server of its node, gpufleet's or env.address's, or in-process
 env.servers 0), resets each episode with the seed of its group and samples each turn with the episode's
 own stream, so the episodes are those the policy ranks would have played (the same per-episode seeds);
 a crashed server is replayed and a stuck environment stopped by env.reset_timeout / env.step_timeout, as
-on a policy rank (env/client.py). Asked for them (`algorithm.importance_sampling_correction` where the
-sampler can differ: rl/sampler.py `differs`), it records the sampling log-prob of every policy token while
-decoding; observations and chat bridges (mask 0) have 0.
+on a policy rank (env/client.py). Tools on a data set open no environment (`NoEnv`): each group reads its
+data row as a policy rank would (the seeded order of rl/data.py, the same on every rank), the tools run
+here, in this process, with rollout.tool_timeout, and the row's columns and TRL's message lists travel back
+with the episodes for the reward functions. Asked for them (`algorithm.importance_sampling_correction`
+where the sampler can differ: rl/sampler.py `differs`), it records the sampling log-prob of every policy
+token while decoding; observations, tool results and chat bridges (mask 0) have 0.
 
 A policy rank asks for its rows of generation batch g as (row, group position) pairs with their sampling
 seeds (`request`); the rollout rank plays every policy rank's rows at once and answers each with its
@@ -29,6 +33,7 @@ from gpufleet.dist import Runtime
 from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.rl.episodes import Episodes, play
 from gpufleet.rl.rolloutwire import Answer, pack_answer
+from gpufleet.rl.tooldata import NoEnv, episode_config, tools_on_data
 
 
 @dataclass(frozen=True)
@@ -65,13 +70,19 @@ class Player:
 
 
 def player(job: Job, rt: Runtime, model: torch.nn.Module) -> Player:
-    """The rollout rank's player: the tokenizer, and this node's environments (every server of it)."""
-    from gpufleet.env.connect import open_pool
+    """The rollout rank's player: the tokenizer, and this node's environments (every server of it); for
+    tools on a data set no environment (`NoEnv`): the episodes read their data rows (rl/tooldata.py `rows`,
+    the seeded order every rank reads) and call the tools here."""
     from gpufleet.models import load_tokenizer
-    from gpufleet.paths import user_path
 
     alone = Runtime(rt.rank, node_rank=rt.node_rank, policy_ranks=[rt.rank], device=rt.device, clock=rt.clock)
-    env = open_pool(job, alone, user_path(job.output.dir))  # one policy rank per node: all its servers
+    if tools_on_data(job):
+        env = NoEnv()
+    else:
+        from gpufleet.env.connect import open_pool
+        from gpufleet.paths import user_path
+
+        env = open_pool(job, alone, user_path(job.output.dir))  # one policy rank per node: all its servers
     return Player(job, alone, model, load_tokenizer(job.model.path), env)
 
 
@@ -141,7 +152,7 @@ def request(p, gen_index: int, layout: Callable) -> dict | None:
         "play": True,
         "prompt_ids": [[j, pos, gen_index] for j, pos in zip(rows, row_pos, strict=True)],
         "seeds": seeds,
-        "max_new_tokens": p.job.env.max_action_tokens,
+        "max_new_tokens": episode_config(p.job).max_action_tokens,
         "sampling": p.sampling,
         "logprobs": p.job.algorithm.importance_sampling_correction and sampler.differs(p.job),
     }

@@ -72,8 +72,8 @@ class RemoteRollout:
     """Seconds spent waiting on the rollout rank (to take a request, for an answer) since the last
     `take_wait_seconds`."""
     env_seconds: float = 0.0
-    """An env job: seconds the rollout rank spent in env and tool calls playing the batches taken since the
-    last `take_env_seconds` (rl/rolloutplay.py)."""
+    """An env job (or tools on a data set): seconds the rollout rank spent in env and tool calls playing the
+    batches taken since the last `take_env_seconds` (rl/rolloutplay.py)."""
     link: PolicyEnd = field(init=False)
     """This end of the wire (rl/rolloutwire.py): what the rollout rank was told, the answers to come."""
 

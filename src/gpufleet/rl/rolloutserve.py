@@ -1,7 +1,7 @@
 """The rollout rank's side of rl/rollouts.py: load the policy in the rollout dtype, then answer the policy
 ranks it serves until they all say stop: receive each push into the weights in place, sample each request's
 rows of every rank at once (single-turn rows: `Sampling.generate`, with the sampling log-probs when asked
-for), or play an env job's episodes to their end (rl/rolloutplay.py), keep up to `rollout.async_steps`
+for), or play an env job's (or tools on a data set's) episodes to their end (rl/rolloutplay.py), keep up to `rollout.async_steps`
 answers ahead, and send every answer in flight on a checkpoint's flush.
 """
 
@@ -19,13 +19,15 @@ from gpufleet.engine.rollout import Rollout, Sampling
 from gpufleet.rl import rolloutplay
 from gpufleet.rl.rollouts import buckets
 from gpufleet.rl.rolloutwire import Answer, pack_answer, recv_request, send_answer, send_stop
+from gpufleet.rl.tooldata import tools_on_data
 
 
 def serve(rt: Runtime, job: Job, log=print) -> None:
     """The rollout rank's loop: sample for the policy ranks it serves until all of them say stop."""
     rank, group, weights_group = rt.rollouts[0]
     model = _load(job, rt.device)
-    player = rolloutplay.player(job, rt, model) if job.env.name else None  # plays whole episodes
+    plays = job.env.name or tools_on_data(job)
+    player = rolloutplay.player(job, rt, model) if plays else None  # plays whole episodes
     params = dict(model.named_parameters())
     model.requires_grad_(False)
     served = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))][

@@ -78,7 +78,7 @@ def train(
             p.remote.stepped()
             m["timing/weight_sync"] = p.remote.take_sync_seconds()
             m["timing/rollout_wait"] = p.remote.take_wait_seconds()
-            if job.env.name:  # the envs are called there: their time playing the batch trained
+            if job.env.name or job.rollout.tools:  # envs / tools are called there: their time in the batch
                 m["timing/rollout_env"] = p.remote.take_env_seconds()
         if refsync.due(job, step + 1):
             _sync_reference(p)

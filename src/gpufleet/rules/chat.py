@@ -51,12 +51,6 @@ def tools_on_data_episodes(ctx: Context):
     if not tools_on_data(job):
         return
     what = "rollout.tools on a data set run multi-turn tool episodes"
-    if ctx.topo.rollout_devices:
-        yield err(
-            [ctx.ref("placement.rollout"), ctx.ref("rollout.tools")],
-            f"{what}, played turn by turn by the policy ranks; dedicated rollout ranks do not play them yet.",
-            "--set placement.rollout=colocate",
-        )
     for path, value in (
         ("rollout.min_completion_length", job.rollout.min_completion_length),
         ("algorithm.mask_truncated_completions", job.algorithm.mask_truncated_completions),
