@@ -77,23 +77,85 @@ def test_readme_trl_map_and_the_table_name_the_same_options():
     assert all(any(n.endswith("*") and n[:-1].startswith(p) for n in seen) for p in PREFIXES)
 
 
+# TRL 1.16.0's `GRPOConfig` fields that are not `transformers.TrainingArguments` (5.23) fields, in file order.
+# trl is not installed in the test venv; produced with the bench venv (TRL 1.16.0, transformers 5.23.0):
+#   python -c "from trl import GRPOConfig; from transformers import TrainingArguments; import dataclasses;
+#     base = {f.name for f in dataclasses.fields(TrainingArguments)};
+#     print(' '.join(f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base))"
+TRL_GRPO_OWN_FIELDS = """
+model_init_kwargs trust_remote_code router_aux_loss_coef disable_dropout cast_lm_head_to_fp32 num_generations
+num_generations_eval max_completion_length ds3_gather_for_generation shuffle_dataset pad_to_multiple_of
+generation_batch_size steps_per_generation temperature top_p top_k min_p generation_kwargs chat_template_kwargs
+repetition_penalty cache_implementation use_vllm vllm_mode vllm_model_impl vllm_enable_sleep_mode
+vllm_structured_outputs_regex vllm_server_base_url vllm_server_host vllm_server_port vllm_server_timeout
+vllm_group_port vllm_gpu_memory_utilization vllm_max_model_length vllm_tensor_parallel_size beta num_iterations
+epsilon delta epsilon_high sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg
+vespo_lambda_neg importance_sampling_level reward_weights multi_objective_aggregation scale_rewards loss_type
+mask_truncated_completions sync_ref_model ref_model_mixup_alpha ref_model_sync_steps top_entropy_quantile
+entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target
+max_tool_calling_iterations vllm_importance_sampling_correction vllm_importance_sampling_mode
+vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min off_policy_mask_threshold
+use_bias_correction_kl log_completions log_multimodal num_completions_to_print log_unique_prompts
+log_completions_hub_repo use_transformers_continuous_batching transformers_continuous_batching_config
+use_transformers_paged vllm_importance_sampling_cap
+""".split()
+
+# The `TrainingArguments` fields (transformers 5.23, as `GRPOConfig` inherits them) a GRPO job sets: batch,
+# schedule, optimizer, precision, checkpointing, compile, logging, eval, saving, hub, seeds, data loading,
+# distribution and resume. The rest (hub tokens, log levels, label smoothing, predict/eval internals, ...)
+# plays no part in a GRPO job. Chosen by hand from `dataclasses.fields(TrainingArguments)`.
+TRAINING_ARGUMENTS_A_GRPO_JOB_SETS = """
+output_dir per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps learning_rate
+lr_scheduler_type lr_scheduler_kwargs warmup_steps optim weight_decay adam_beta1 adam_beta2 adam_epsilon
+max_grad_norm average_tokens_across_devices bf16 fp16 tf32 gradient_checkpointing gradient_checkpointing_kwargs
+activation_checkpointing activation_checkpointing_kwargs torch_compile torch_compile_backend torch_compile_mode
+use_liger_kernel torch_empty_cache_steps logging_steps logging_strategy report_to run_name eval_strategy
+eval_steps per_device_eval_batch_size eval_on_start save_strategy save_steps save_total_limit save_only_model
+push_to_hub hub_model_id load_best_model_at_end metric_for_best_model seed data_seed full_determinism use_cpu
+dataloader_num_workers dataloader_pin_memory dataloader_drop_last remove_unused_columns ddp_timeout fsdp
+fsdp_config deepspeed resume_from_checkpoint
+""".split()
+
+
+def test_every_trl_option_is_in_the_map_and_known_to_check():
+    """Every field of TRL 1.16's GRPOConfig, and every TrainingArguments field a GRPO job sets, has a row
+    of its own name in docs/trl.md and an entry in gpufleet.config.trl (not only the `vllm_*` family), so
+    `gpufleet check` answers it in a job file; a TRL option added to these lists fails until it is mapped."""
+    assert len(TRL_GRPO_OWN_FIELDS) == 77 and len(set(TRL_GRPO_OWN_FIELDS)) == 77
+    named = {name for trl_cell, _ in _readme_trl_rows() for name in _trl_names(trl_cell)}
+    for kind, names in (
+        ("GRPOConfig", TRL_GRPO_OWN_FIELDS),
+        ("TrainingArguments", TRAINING_ARGUMENTS_A_GRPO_JOB_SETS),
+    ):
+        missing = [n for n in names if n not in named]
+        assert not missing, f"TRL 1.16 {kind} fields not named in docs/trl.md's map: {missing}"
+        unknown = [n for n in names if n not in OPTIONS]
+        assert not unknown, f"TRL 1.16 {kind} fields not in gpufleet.config.trl.OPTIONS: {unknown}"
+    for name, option in OPTIONS.items():  # what `check` prints about it says something
+        assert option.field is not None or len(option.note) > 20, name
+
+
 def test_every_target_is_a_job_field():
     paths = set(field_paths())
     for name, option in {**OPTIONS, **PREFIXES}.items():
         assert option.field is None or option.field in paths, (name, option.field)
         assert lookup(name) is option or name in PREFIXES
-    assert lookup("vllm_gpu_memory_utilization") is PREFIXES["vllm_"]
+    assert lookup("vllm_some_future_option") is PREFIXES["vllm_"]  # a vllm_* name TRL 1.16 does not have
     assert lookup("vllm_tensor_parallel_size").field == "rollout.tensor_parallel_size"  # exact before family
 
 
 TRL_JOB = """\
 model:
   path: builtin:tiny-qwen2
+  disable_dropout: true
 train:
   gradient_accumulation_steps: 4
   logging_steps: 5
   bf16: true
   learning_rat: 1.0e-5
+  lr_scheduler_type: constant_with_warmup
+  adam_beta2: 0.99
+  fsdp: full_shard auto_wrap
 reward:
   reward_weights: [1.0]
   multi_objective_aggregation: normalize_then_sum
@@ -103,6 +165,9 @@ output:
 rollout:
   vllm_gpu_memory_utilization: 0.5
   min_p: 0.1
+  vllm_mode: colocate
+  vllm_server_port: 8000
+  vllm_max_model_length: 4096
 algorithm:
   generation_batch_size: 16
 bf16: true
@@ -146,12 +211,33 @@ def test_trl_names_point_at_gpufleet_fields(tmp_path):
         ),
         "bf16": ("gpufleet's is `train.precision`", "write `precision: bf16` under `train:`"),
         "logging_steps": ("gpufleet's is `train.log_every`", "write `log_every: 3` under `train:`"),
+        "train.lr_scheduler_type": (
+            "gpufleet's is `train.lr_scheduler`",
+            "write `lr_scheduler: constant` under `train:`",
+        ),
+        "train.fsdp": ("gpufleet's is `placement.strategy`", "write `strategy: fsdp` under `placement:`"),
+        "rollout.vllm_mode": (
+            "gpufleet's is `placement.rollout`",
+            "write `rollout: colocate` under `placement:`",
+        ),
     }
     for key, (why, fix) in expect.items():
         block = said[key]
         assert f"`{key}` is TRL's name: {why}" in block and f"fix: {fix}" in block, block
     for key in ("rollout.vllm_gpu_memory_utilization", "rollout.min_p", "algorithm.generation_batch_size"):
         assert "gpufleet has no field for it" in said[key] and "did you mean" not in said[key], said[key]
+    # an option gpufleet has no field for says what gpufleet does instead
+    no_field = {
+        "model.disable_dropout": "sampling, the reference and the reward model run in eval mode",
+        "train.adam_beta2": "AdamW runs with torch's betas (0.9, 0.999)",
+        "rollout.vllm_server_port": "there is no generation server to reach",
+        "rollout.vllm_max_model_length": "the sampler's context is derived: rollout.max_prompt_length + ",
+    }
+    for key, what in no_field.items():
+        block = said[key]
+        assert f"`{key}` is TRL's {key.split('.')[-1]}; gpufleet has no field for it: {what}" in block, block
+        assert "did you mean" not in block, block
+    assert "fix: remove it; set rollout.max_prompt_length" in said["rollout.vllm_max_model_length"]
     # the wrong guesses of before are gone; a typo that is no TRL name keeps its "did you mean"
     for wrong in ("script.gradient_accumulation_steps", "env.reward_weight", "did you mean train.max_steps"):
         assert wrong not in p.stdout, p.stdout

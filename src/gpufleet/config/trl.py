@@ -53,6 +53,27 @@ def _resume(value: Any) -> Any:
     return value if isinstance(value, str) else None
 
 
+def _vllm_mode(value: Any) -> Any:
+    """TRL's colocate is gpufleet's; its server mode has no value to copy (the rollout ranks' device ids)."""
+    return "colocate" if str(value).strip().lower() == "colocate" else None
+
+
+def _fsdp(value: Any) -> Any:
+    """TRL's `fsdp` (a bool, or a string of FSDP options such as `full_shard auto_wrap`)."""
+    on = _bool(value)
+    if on is None and isinstance(value, str):
+        on = bool(value.strip())
+    return None if on is None else ("fsdp" if on else "ddp")
+
+
+def _scheduler(value: Any) -> Any:
+    """TRL's lr_scheduler_type where gpufleet has it (constant_with_warmup: constant after train.warmup_steps)."""
+    name = str(value).strip().lower()
+    return {"constant_with_warmup": "constant"}.get(
+        name, name if name in ("constant", "linear", "cosine") else None
+    )
+
+
 def _at(field: str, note: str = "", convert: Callable[[Any], Any] | None = _same, fix: str = "") -> TrlOption:
     return TrlOption(field, note, convert, fix)
 
@@ -70,11 +91,46 @@ _ALGO = (
 ).split()
 _LORA = "lora_r lora_alpha lora_dropout lora_target_modules".split()
 _OFFLOAD = "`params` (= `optimizer`): FSDP2's CPU offload, with placement.strategy: fsdp"
+_VLLM = "vLLM options wait for the vLLM engine (rollout.engine: vllm is not available yet)"
+_SERVER = (
+    "there is no generation server to reach: dedicated rollout ranks (placement.rollout device ids) are "
+    "started by the job and get the weights over its own process group (launch.master_port, "
+    "launch.collective_timeout)"
+)
+_NO_EVAL = "gpufleet does not evaluate during training yet (no eval data set, no eval steps)"
+_LOADER = "prompts are read by the trainer process itself, without a DataLoader (no workers, no rows dropped)"
+_HF_GENERATE = (
+    "gpufleet samples with its own batched decoder (rollout.engine: hf), not transformers' generate"
+)
+_ADAM = "AdamW runs with torch's betas (0.9, 0.999) and eps 1e-8, TRL's defaults too; not settable yet"
 
 OPTIONS: dict[str, TrlOption] = {
     **{name: _at(f"algorithm.{name}") for name in _ALGO},
     **{name: _at(f"model.{name}") for name in _LORA},
     "model_init_kwargs": _at("model.dtype", "TRL's model_init_kwargs torch_dtype", None),
+    "trust_remote_code": _none(
+        "only architectures transformers ships load; code that comes with a model is never run"
+    ),
+    "router_aux_loss_coef": _none(
+        "no MoE load-balancing loss is added (as TRL with 0.0; TRL's default adds the model config's)"
+    ),
+    "disable_dropout": _none(
+        "sampling, the reference and the reward model run in eval mode (no dropout); the training forward "
+        "keeps the model's own dropout (0 in Llama / Qwen / Mistral configs; LoRA's is model.lora_dropout), "
+        "as TRL's default does"
+    ),
+    "cast_lm_head_to_fp32": _none(
+        "the head runs in train.precision (fp32 by default: an fp32 head) and its logits are cast to fp32 "
+        "before the log-softmax; an fp32 head in a bf16 / fp16 job is not available yet"
+    ),
+    "activation_checkpointing": _at("model.gradient_checkpointing", "transformers 5's name"),
+    "gradient_checkpointing_kwargs": _none(
+        "model.gradient_checkpointing always checkpoints every decoder layer, non-reentrant"
+    ),
+    "activation_checkpointing_kwargs": _none(
+        "every_n_layers and offload are not available yet: model.gradient_checkpointing checkpoints every "
+        "decoder layer"
+    ),
     "gradient_checkpointing": _at("model.gradient_checkpointing"),
     "use_peft": _at("model.use_peft"),
     "peft_config": _at(
@@ -96,6 +152,23 @@ OPTIONS: dict[str, TrlOption] = {
     "chat_template_kwargs": _at("rollout.chat_template_kwargs"),
     "train_dataset": _at("data.path", "a file, a hub dataset or builtin:<task>", None),
     "shuffle_dataset": _at("data.shuffle"),
+    "remove_unused_columns": _none(
+        "every column of the data set reaches the reward functions (TRL's GRPO default)"
+    ),
+    "pad_to_multiple_of": _none(
+        "rows are padded to the longest row of their batch, never to a multiple (TRL's default off AWS Neuron)"
+    ),
+    "data_seed": _none("train.seed orders the prompts too (a seeded permutation per epoch)"),
+    "dataloader_num_workers": _none(_LOADER),
+    "dataloader_pin_memory": _none(_LOADER),
+    "dataloader_drop_last": _none(_LOADER),
+    **{
+        name: _none(_NO_EVAL)
+        for name in (
+            "eval_dataset num_generations_eval eval_strategy eval_steps per_device_eval_batch_size "
+            "eval_on_start load_best_model_at_end metric_for_best_model"
+        ).split()
+    },
     "reward_funcs": _at("reward.functions", "module:function or file.py:function"),
     "reward_weights": _at("reward.weights"),
     "multi_objective_aggregation": _at("reward.aggregation"),
@@ -105,7 +178,42 @@ OPTIONS: dict[str, TrlOption] = {
     "temperature": _at("rollout.temperature"),
     "top_p": _at("rollout.top_p"),
     "top_k": _at("rollout.top_k"),
+    "generation_kwargs": _none(
+        "more sampling settings are not available yet: rollout has temperature, top_p, top_k and "
+        "min_completion_length (min_new_tokens)"
+    ),
+    "cache_implementation": _none(f"{_HF_GENERATE}, with its own KV cache"),
+    "use_transformers_continuous_batching": _none(_HF_GENERATE),
+    "transformers_continuous_batching_config": _none(_HF_GENERATE),
+    "use_transformers_paged": _none(_HF_GENERATE),
+    "ds3_gather_for_generation": _none(
+        "under placement.strategy: fsdp sampling runs the sharded model, each layer gathered as it runs "
+        "(TRL's False); a whole copy samples on dedicated rollout ranks (placement.rollout device ids)"
+    ),
     "use_vllm": _at("rollout.engine", "hf or vllm; vllm is not available yet", _engine),
+    "vllm_mode": _at(
+        "placement.rollout",
+        "where sampling runs: colocate, or the device ids of dedicated rollout ranks that the job starts "
+        "itself (no vLLM server; the engine is gpufleet's own)",
+        _vllm_mode,
+        "set placement.rollout to the device ids of the rollout ranks",
+    ),
+    **{
+        name: _none(_VLLM)
+        for name in (
+            "vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_gpu_memory_utilization"
+        ).split()
+    },
+    **{
+        name: _none(_SERVER)
+        for name in (
+            "vllm_server_base_url vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port"
+        ).split()
+    },
+    "vllm_max_model_length": _none(
+        "the sampler's context is derived: rollout.max_prompt_length + rollout.max_completion_length",
+        "remove it; set rollout.max_prompt_length and rollout.max_completion_length instead",
+    ),
     "vllm_tensor_parallel_size": _at("rollout.tensor_parallel_size"),
     "vllm_importance_sampling_correction": _at(
         "algorithm.importance_sampling_correction", "for a dedicated rollout rank (placement.rollout)"
@@ -128,7 +236,22 @@ OPTIONS: dict[str, TrlOption] = {
     ),
     "steps_per_generation": _at("train.steps_per_generation"),
     "learning_rate": _at("train.learning_rate"),
-    "lr_scheduler_type": _at("train.lr_scheduler", "constant, linear or cosine"),
+    "lr_scheduler_type": _at(
+        "train.lr_scheduler",
+        "constant, linear or cosine",
+        _scheduler,
+        "set train.lr_scheduler to constant, linear or cosine",
+    ),
+    "lr_scheduler_kwargs": _none(
+        "train.lr_scheduler takes no arguments yet (cosine and linear decay to 0 at train.max_steps)"
+    ),
+    "optim": _none("AdamW (torch's, fused where the parameters allow it) is the only optimizer yet"),
+    "adam_beta1": _none(_ADAM),
+    "adam_beta2": _none(_ADAM),
+    "adam_epsilon": _none(_ADAM),
+    "average_tokens_across_devices": _none(
+        "token-level losses are always normalised by the token count over all policy ranks (TRL's default)"
+    ),
     "warmup_steps": _at("train.warmup_steps"),
     "weight_decay": _at("train.weight_decay"),
     "max_grad_norm": _at("train.max_grad_norm"),
@@ -142,7 +265,33 @@ OPTIONS: dict[str, TrlOption] = {
     "seed": _at("train.seed"),
     "bf16": _at("train.precision", "fp32, bf16 or fp16, with fp32 master weights", _precision("bf16")),
     "fp16": _at("train.precision", "fp32, bf16 or fp16, with fp32 master weights", _precision("fp16")),
+    "tf32": _none("not settable yet: PyTorch's default (fp32 matmuls without TF32)"),
+    "full_determinism": _none(
+        "torch's deterministic algorithms are not switched on yet; sampling is seeded per completion from "
+        "train.seed, so results do not depend on the rank count"
+    ),
+    "use_cpu": _none(
+        "a flag, not a job field: gpufleet train JOB --gpus cpu", "remove it; run with --gpus cpu"
+    ),
     "torch_compile": _at("train.torch_compile"),
+    "torch_compile_backend": _none(
+        "train.torch_compile always uses TorchInductor (default mode, dynamic shapes)"
+    ),
+    "torch_compile_mode": _none(
+        "train.torch_compile always uses TorchInductor (default mode, dynamic shapes)"
+    ),
+    "use_liger_kernel": _none(
+        "Liger's kernels are not used; log-probs come from gpufleet's chunked head (no batch x vocab logits)"
+    ),
+    "torch_empty_cache_steps": _none("gpufleet never empties the CUDA cache between steps"),
+    "fsdp": _at("placement.strategy", "ddp or fsdp (FSDP2)", _fsdp),
+    "deepspeed": _at(
+        "placement.strategy",
+        "ZeRO-3 shards as fsdp does; ZeRO-1/2 (optimizer states sharded only) are not available",
+        None,
+        "set placement.strategy to fsdp (ZeRO-3's sharding) or ddp instead",
+    ),
+    "ddp_timeout": _at("launch.collective_timeout", "seconds a collective may wait; TRL's default is 1800"),
     "fsdp_config": _at("placement.offload", f"{_OFFLOAD}; FSDP itself is placement.strategy: fsdp", None),
     "offload_param": _at("placement.offload", _OFFLOAD, None),
     "offload_optimizer": _at("placement.offload", _OFFLOAD, None),
@@ -150,15 +299,37 @@ OPTIONS: dict[str, TrlOption] = {
     "log_completions": _at(
         "train.samples_every", "steps between two writes of samples.jsonl (0: never)", None
     ),
+    "logging_strategy": _none("metrics.jsonl gets every step; the progress line every train.log_every steps"),
+    "num_completions_to_print": _none(
+        "samples.jsonl gets 4 completions (the first rows of rank 0's batch) every train.samples_every "
+        "steps; the count is not settable yet"
+    ),
+    "log_unique_prompts": _none(
+        "samples.jsonl gets the first 4 rows of rank 0's batch (groups are kept together, so they often "
+        "share a prompt); unique prompts are not available yet"
+    ),
+    "log_multimodal": _none("gpufleet trains text-only models"),
+    "log_completions_hub_repo": _none("completions stay in OUTPUT/samples.jsonl; nothing is uploaded"),
+    "push_to_hub": _none("nothing is uploaded: gpufleet export writes a Hugging Face folder to upload"),
+    "hub_model_id": _none("nothing is uploaded: gpufleet export writes a Hugging Face folder to upload"),
+    "run_name": _none("a run is named by output.dir's folder (the W&B run too)"),
     "output_dir": _at("output.dir"),
     "save_steps": _at("output.save_every"),
     "save_total_limit": _at("output.keep_last"),
+    "save_strategy": _at(
+        "output.save_every", "a checkpoint every save_every steps (0: only at the end)", None
+    ),
+    "save_only_model": _none(
+        "checkpoints always hold the optimizer and RNG states, for exact resume; final/ and gpufleet export "
+        "hold the model only"
+    ),
     "resume_from_checkpoint": _at("output.resume", "auto, never, or a checkpoint's path", _resume),
     "min_p": _none("min_p sampling is not available yet (rollout has temperature, top_p, top_k)"),
     "repetition_penalty": _none("a repetition penalty is not available yet"),
     "report_to": _none(
         "metrics always go to metrics.jsonl; monitor.tensorboard and monitor.wandb add TensorBoard and "
-        "Weights & Biases"
+        "Weights & Biases",
+        "set monitor.tensorboard: true and/or monitor.wandb: true instead",
     ),
 }
 """TRL option name -> where it lives in gpufleet."""
