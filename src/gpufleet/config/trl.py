@@ -1,5 +1,7 @@
-"""TRL 1.16's `GRPOConfig` / `GRPOTrainer` option names and where each lives in a gpufleet job file: the
-README's "Coming from TRL" map as a table (`tests/test_config_trl.py` keeps the two equal, name for name).
+"""TRL 1.16's `GRPOConfig` / `GRPOTrainer` option names (every GRPOConfig field, and the TrainingArguments
+fields a GRPO job sets) and where each lives in a gpufleet job file: the guide's "Coming from TRL" map
+(docs/trl.md) as a table (`tests/test_config_trl.py` keeps the two equal, name for name, and holds TRL
+1.16's field list).
 
 A job file key gpufleet does not know whose name is TRL's (`train.gradient_accumulation_steps`,
 `output.save_steps`, a top-level `bf16:`) is reported with gpufleet's field for it, and the value to write
@@ -194,7 +196,7 @@ OPTIONS: dict[str, TrlOption] = {
     "vllm_mode": _at(
         "placement.rollout",
         "where sampling runs: colocate, or the device ids of dedicated rollout ranks that the job starts "
-        "itself (no vLLM server; the engine is gpufleet's own)",
+        "itself; no vLLM server, the engine is gpufleet's own",
         _vllm_mode,
         "set placement.rollout to the device ids of the rollout ranks",
     ),
