@@ -168,6 +168,21 @@ def test_env_job_gets_a_split_that_check_accepts(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_tools_on_data_job_gets_a_split_that_check_accepts(tmp_path):
+    """Tools on a data set (TRL's tools=, no env): the rollout rank plays the tool episodes one step ahead,
+    so the job gets the split env jobs get, which plans as proposed and passes check."""
+    from test_tools_dataset import _files, _job_file
+
+    _files(tmp_path)
+    _job_file(tmp_path)
+    _, out = _plan_json(tmp_path, "job.yaml", "3x24GB")
+    (split,) = out["rollout_splits"]
+    assert "--set placement.rollout=2" in split["sets"] and "--set rollout.async_steps=1" in split["sets"]
+    _fed_back(tmp_path, "job.yaml", "3x24GB", split)
+    done = run_user("check", "job.yaml", "--gpus", "3x24GB", *shlex.split(split["command"]), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_split_cost_by_hand():
     """speed.py: g from the job's shape; with the same rows on each side a split hides min(g, 1 - g) of a
     step, the most overlap can give; a rollout rank serving 2 policy ranks samples their rows at once."""

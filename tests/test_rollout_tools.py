@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_user, sets
-from test_rollout_ranks import _metrics, assert_same_run
+from helpers import console_script, kill9_after_steps, run_user, sets
+from test_rollout_ranks import _metrics, _weights, assert_same_run
 from test_tools_dataset import _files, _job
 
 # A TRL-style reward function that scores the tool calls and the answer (so groups' rewards differ and the
@@ -157,3 +157,51 @@ def _scored(calls) -> list[str]:
     sorted JSON: prompt, completion messages, the row's columns."""
     keys = ("prompts", "completions", "ground_truth", "level")
     return sorted(json.dumps([s[k][i] for k in keys]) for s in calls for i in range(len(s["prompts"])))
+
+
+@pytest.mark.slow
+def test_async_tools_on_data_is_one_step_stale_corrected_and_resumes_exactly_after_kill_9(tmp_path):
+    """async_steps 1: batch g is played while g - 1 trains (staleness 1 from the second step), the policy
+    tokens' sampling log-probs meet the trainer's in the IS ratio; the whole run killed with SIGKILL after
+    5 steps resumes from the step-3 checkpoint (the episodes in flight saved with it, their data columns and
+    message lists too) to the weights, rewards and metrics of an undisturbed run, bit for bit, its reward
+    function called with the same arguments."""
+    user = _user(tmp_path)
+    values = (*ASYNC, "train.max_steps=8", "output.save_every=3")
+    one = _train(user, "one", *values)
+    rows = _metrics(one)
+    assert [m["rollout/staleness"] for m in rows] == [0.0] + [1.0] * 7
+    assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-5  # the same weights: ratio 1
+    assert all(m["sampling/sampling_logp_difference/mean"] > 0 for m in rows[1:])
+    assert all(0 < m["sampling/importance_sampling_ratio/max"] <= 3.0 for m in rows)
+    argv = [console_script(), "train", "job.yaml", *sets("output.dir=two", *values)]
+    kill9_after_steps(argv, user / "two", 5, cwd=user, log=user / "killed.log")
+    saved = torch.load(user / "two" / "checkpoints" / "step-3" / "batch-rank0.pt", weights_only=True)
+    (flight,) = saved["in_flight"].values()
+    rest = flight["played"]["rest"]
+    assert len(rest["columns"]["ground_truth"]) == 16 and rest["conversation"]["completions"]
+    assert flight["logprobs"] is not None
+    (user / "seen.jsonl").unlink()
+    two = _train(user, "two", *values)
+    wa, wb = _weights(one), _weights(two)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    keys = [k for k in rows[0] if k.startswith(("reward", "sampling/", "rollout/staleness", "tools/"))]
+    assert [[m[k] for k in keys] for m in _metrics(two)] == [[m[k] for k in keys] for m in rows]
+    assert _seen(two) == [s for s in _seen(one) if s["step"] >= 3]
+
+
+@pytest.mark.slow
+def test_async_tools_on_data_does_not_depend_on_the_policy_rank_count(tmp_path):
+    """One step ahead, 2 policy ranks whose episodes one rollout rank plays train as 1 policy rank with the
+    same global batch: weights within 1e-5, rewards, tool metrics and TRL's sampling metrics."""
+    user = _user(tmp_path)
+    values = ("train.max_steps=5", "rollout.async_steps=1")
+    one = _train(user, "one", *values, "placement.rollout=1")
+    two = _train(
+        user, "two", *values, "placement.policy=0,1", "placement.rollout=2", "train.per_device_batch=8"
+    )
+    assert_same_run(one, two)
+    keys = [k for k in _metrics(one)[0] if k.startswith(("sampling/", "rollout/staleness", "tools/"))]
+    assert len([k for k in keys if k.startswith("sampling/")]) == 5
+    for a, b in zip(_metrics(one), _metrics(two), strict=True):
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], rel=1e-4, abs=1e-6, nan_ok=True)

@@ -16,8 +16,8 @@ An answer (rollout -> policy): the header [kind, rows, prompt width P, completio
 max_new_tokens), length, truncated; then, when asked for, the sampling log-probs (rows, M) as float64 bits.
 The policy rank knows its size from its request (`PolicyEnd`), so it is one message.
 
-An env job's (or tools on a data set's) request (`"play"`: rl/rolloutplay.py) has the kind PLAY and rows (seed, 3, episode row, group
-position, generation batch): the rollout rank plays those episodes to their end. Its answer is two
+An env job's (or tools on a data set's) request (`"play"`: rl/rolloutplay.py) has the kind PLAY and rows
+(seed, 3, episode row, group position, generation batch): the rollout rank plays those episodes to their end. Its answer is two
 messages (the size of finished episodes is not known in advance): the header [PLAYED, rows, P, T, version,
 blob bytes, log-probs, count columns], then the body: the rollout block as above (T wide), the loss mask
 (rows, T), the env rewards (rows) as float64 bits, the sampling log-probs (rows, T) when asked for, the
