@@ -165,6 +165,33 @@ def test_tool_calls_run_fail_softly_and_are_spliced_as_tool_messages(tmp_path, m
     assert stats["tools/call_frequency"] == 4.0 and stats["tools/failure_frequency"] == 0.75
 
 
+@pytest.mark.parametrize("budget", [19, 20])
+def test_a_tool_result_that_exactly_fills_the_episode_budget_is_kept_in_a_chat_env_episode(
+    tmp_path, monkeypatch, budget
+):
+    """TRL 1.16's rule for tool results at the end of the budget, in an env's chat episode: the call's 14
+    tokens and its result's 6 bridge tokens are 20, so at env.max_episode_tokens 20 the result is kept
+    (mask 0, its tool message in the completion) and the episode ends there; at 19 it is dropped."""
+    from gpufleet.rl.episodes import play
+    from gpufleet.rl.parts import build
+
+    (tmp_path / "mytools.py").write_text(TOOLS)
+    job = _job(tmp_path, tools=[f"{tmp_path}/mytools.py:add"])
+    job.env.max_episode_tokens = budget
+    _scripted(monkeypatch, ["[add a=2,b=3]<eos>"] * 6)
+    p = build(job)
+    e = play(p, [0], [0], [0], gen_index=0)
+    tok = p.tokenizer
+    turn = tok.encode("[add a=2,b=3]") + [tok.eos_token_id]
+    bridge = tok.encode("T:5\nA:") if budget == 20 else []
+    attn = e.rollout.completion_mask[0].bool()
+    assert e.rollout.completion_ids[0][attn].tolist() == turn + bridge
+    assert e.loss_mask[0][attn].tolist() == [1.0] * 14 + [0.0] * len(bridge)
+    roles = [m["role"] for m in e.conversation["completions"][0]]
+    assert roles == ["assistant", "tool"][: 1 + bool(bridge)] and int(e.counts["turns"][0]) == 1
+    assert bool(e.rollout.is_truncated[0]) and e.counts["tool_calls"].tolist() == [1.0]
+
+
 def _check(tmp_path, *sets):
     job = tmp_path / "job.yaml"
     job.write_text(

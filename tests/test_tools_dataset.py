@@ -170,8 +170,40 @@ def test_a_tool_result_past_max_completion_length_is_dropped_and_ends_the_episod
     assert e.rollout.completion_ids[0][attn].tolist() == turn + bridge + turn  # 34 + 6 > 38: dropped
     completions = e.conversation["completions"]
     assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
-    assert completions[0][1]["content"] == "5" and bool(e.rollout.is_truncated[0])
+    assert completions[0][1]["content"] == "5"
+    assert not bool(e.rollout.is_truncated[0])  # TRL's is_truncated: it ends with EOS
     assert e.counts["tool_calls"].tolist() == [2.0]  # the dropped result's call ran (TRL counts it too)
+
+
+@pytest.mark.parametrize("budget", [40, 41])
+def test_a_tool_result_that_exactly_fills_max_completion_length_is_kept_and_ends_the_episode(
+    tmp_path, monkeypatch, budget
+):
+    """TRL 1.16's `_tool_call_loop` drops a tool result only past max_completion_length (`len > max`): at
+    40 the second result's 6 tokens end exactly at the budget, so they are kept (mask 0), its tool
+    message is in the completion, and the episode ends there (TRL samples again and keeps 0 tokens), cut
+    (its last token is not EOS); at 41 the policy samples one more token, and it is trained."""
+    from gpufleet.rl.episodes import play
+    from gpufleet.rl.parts import build
+
+    _files(tmp_path)
+    _scripted(monkeypatch, ["[add a=2,b=3]<eos>"] * 8)
+    p = build(_job(tmp_path, max_completion_length=budget))
+    e = play(p, [0], [0], [0], gen_index=0)
+    tok = p.tokenizer
+    attn = e.rollout.completion_mask[0].bool()
+    ids = e.rollout.completion_ids[0][attn].tolist()
+    turn = tok.encode("[add a=2,b=3]") + [tok.eos_token_id]  # 14 tokens
+    bridge = tok.encode("T:5\nA:")  # the template's tool bridge, 6 tokens: 14 + 6 + 14 + 6 = 40
+    assert p.chat.fmt.bridge([_tool("add", "5")]) == bridge
+    extra = tok.encode("[") if budget == 41 else []  # what the next turn has room for
+    assert ids == turn + bridge + turn + bridge + extra and len(ids) == budget
+    assert e.loss_mask[0][attn].tolist() == ([1.0] * 14 + [0.0] * 6) * 2 + [1.0] * len(extra)
+    said = e.conversation["completions"][0]
+    roles = ["assistant", "tool", "assistant", "tool"] + ["assistant"] * len(extra)
+    assert [m["role"] for m in said] == roles and said[3] == _tool("add", "5")
+    assert bool(e.rollout.is_truncated[0]) and e.counts["tool_calls"].tolist() == [2.0]
+    assert int(e.rollout.completion_lengths[0]) == 28 + len(extra)
 
 
 def _job_file(folder) -> None:

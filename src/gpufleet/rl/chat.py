@@ -68,24 +68,47 @@ class ChatFormat:
         return full[len(prefix) :]
 
     def parse(self, action: list[int], context: list[int]) -> dict:
-        """The assistant message of a sampled turn (`parse_response` with the tokenizer's response
-        template; the tools' schemas cast the arguments). A turn the template cannot parse, or a
-        tokenizer without a response template, is plain content (TRL's fallback)."""
-        eos = self.tok.eos_token_id
-        text = self.tok.decode([t for t in action if t != eos], skip_special_tokens=True)
-        if getattr(self.tok, "response_template", None) is None:
-            return {"role": "assistant", "content": text}
-        try:
-            prefix = self.tok.decode(context, skip_special_tokens=False)
-            parsed = self.tok.parse_response(text, prefix=prefix, tools=self.tools or None)
-        except Exception:  # a malformed call: the text is the content, as TRL's parse_response falls back
-            return {"role": "assistant", "content": text}
-        if not isinstance(parsed, dict):
-            return {"role": "assistant", "content": text}
-        parsed.setdefault("content", "")
-        if parsed.get("content") is None:
+        """The assistant message of a sampled turn, as TRL parses it (`parse_response`)."""
+        return parse_response(self.tok, action, context, self.tools)
+
+
+def parse_response(tok, ids: list[int], prefix: list[int], tools: Sequence[dict] = ()) -> dict:
+    """The assistant message of sampled `ids` after the context `prefix` (ids), as TRL 1.16's
+    `trl.chat_template_utils.parse_response`: the tokenizer's `parse_response` on the ids (special tokens
+    included) with the tools' schemas casting the arguments, a trailing EOS text cut off the content, an
+    empty or missing content "", tool calls checked (`_checked_calls`); a turn the template cannot parse,
+    or a tokenizer without a response template, is its text (`decode(ids, skip_special_tokens=True)`)."""
+    text = {"role": "assistant", "content": tok.decode(list(ids), skip_special_tokens=True)}
+    if getattr(tok, "response_template", None) is None:
+        return text
+    try:
+        parsed = tok.parse_response(list(ids), prefix=list(prefix), tools=list(tools))
+        if not isinstance(parsed, dict):  # None: even the content was lost (a heavily cut turn)
+            raise ValueError("parse_response returned no message")
+        if isinstance(parsed.get("content"), str):
+            parsed["content"] = parsed["content"].removesuffix(tok.eos_token or "")
+        if not parsed.get("content"):
             parsed["content"] = ""
-        return parsed
+        if "tool_calls" in parsed:
+            _checked_calls(parsed["tool_calls"])
+    except Exception:  # a malformed call (TRL catches ValueError / TypeError; any template error here)
+        return text
+    return parsed
+
+
+def _checked_calls(calls) -> None:
+    """TRL's `_validate_tool_calls`: every call a dict with a string name (nested under "function" or
+    flat); missing or None arguments become {}; anything else is a ValueError (the turn is then text)."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list or None")
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("a tool call without a name")
+        if function.get("arguments") is None:
+            function["arguments"] = {}
 
 
 def template_problem(

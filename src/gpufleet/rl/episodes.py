@@ -241,7 +241,7 @@ def _tools_answered(e: _Episode, messages, failures: int, chat, tok, last_turn: 
     e.tool_rounds += 1
     e.tool_calls += len(messages)
     e.tool_failures += failures
-    _splice(e, chatturns.tool_bridge(chat, messages), tok, last_turn, budget, messages)
+    _splice(e, chatturns.tool_bridge(chat, messages), tok, last_turn, budget, messages, fills=True)
 
 
 def _action(e: _Episode, ids, text) -> None:
@@ -252,10 +252,15 @@ def _action(e: _Episode, ids, text) -> None:
     e.turns += 1
 
 
-def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int, messages=()) -> None:
+def _splice(
+    e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int, messages=(), fills: bool = False
+) -> None:
     """Append the tokens between two actions (mask 0) and, chat, their `messages`; or end the episode
-    when no action would fit (the messages dropped, as TRL drops an overlong tool result)."""
-    if last_turn or len(e.tokens) + len(bridge) >= budget:  # no room for another action
+    when no action would fit (the messages dropped, as TRL drops an overlong tool result). `fills`: tool
+    results, TRL 1.16's rule (`_tool_call_loop`): dropped only past the budget; results that exactly fill
+    it are kept (tokens, mask 0, and messages) and end the episode (TRL samples again and keeps nothing)."""
+    room = budget - len(e.tokens) - len(bridge)
+    if last_turn or room < (0 if fills else 1):  # no room for another action (or, tools, for them)
         e.done = e.truncated = True
         return
     e.messages += messages
@@ -263,6 +268,8 @@ def _splice(e: _Episode, bridge: list[int], tok, last_turn: bool, budget: int, m
     e.mask += [0] * len(bridge)
     e.logprobs += [0.0] * len(bridge)
     e.segments.append((tok.decode(bridge, skip_special_tokens=True), False))
+    if room == 0:
+        e.done = e.truncated = True
 
 
 def _assemble(p, eps: list[_Episode], prompts: list[str], columns: dict[str, list]) -> Episodes:
@@ -289,7 +296,7 @@ def _assemble(p, eps: list[_Episode], prompts: list[str], columns: dict[str, lis
         completion_ids=ids.to(device),
         completion_mask=attention.to(device),
         completion_lengths=torch.tensor([sum(e.mask) for e in eps], device=device),
-        is_truncated=torch.tensor([e.truncated for e in eps], device=device),
+        is_truncated=torch.tensor([_truncated(p, e) for e in eps], device=device),
     )
     counts = {
         "turns": torch.tensor([float(e.turns) for e in eps]),
@@ -316,6 +323,14 @@ def _assemble(p, eps: list[_Episode], prompts: list[str], columns: dict[str, lis
         if p.chat is not None
         else None,
     )
+
+
+def _truncated(p, e: _Episode) -> bool:
+    """Whether the episode was cut: for tools on a data set TRL's `is_truncated` (its last token is not
+    EOS: a turn cut by the budget, or tool results that filled it), else the episode's own end."""
+    if p.chat is not None and p.chat.data is not None:
+        return not e.tokens or e.tokens[-1] not in (p.tokenizer.eos_token_id, p.tokenizer.pad_token_id)
+    return e.truncated
 
 
 TOOL_COUNTS = ("tool_calls", "tool_failures")

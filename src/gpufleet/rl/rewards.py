@@ -6,11 +6,13 @@ columns as keyword lists; None means "not applicable to this sample" and becomes
 weighted sum ignores (`advantages.combine_rewards`). In chat episodes (env.format chat, tools on a data
 set) the functions get TRL's conversational forms: each prompt a list of messages, each completion the
 list of messages after it (assistant turns as parsed, with their `tool_calls`; `tool` results; an
-environment's `user` observations); a reward model still scores the text.
+environment's `user` observations); so do single-turn jobs whose data prompts are chat messages
+(`chat_said`: the completion is the one assistant message). A reward model still scores the text.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -21,6 +23,7 @@ import torch
 from gpufleet.config.schema import RewardSection
 from gpufleet.dist import Runtime
 from gpufleet.errors import UserError
+from gpufleet.rl.chat import parse_response
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.text import plural
 from gpufleet.usercode import call_reward, import_function, reward_columns
@@ -160,10 +163,10 @@ class Rewards:
         """(N, F) float tensor; NaN where a function returned None. `model_scores`: from a scorer rank;
         `env_rewards`: the episodes' environment rewards (first column of an env job); `completion_ids`:
         each completion's token ids, for the functions' `completion_ids`; `log`: TRL's `trainer_state`,
-        `log_metric`, `log_extra` for the functions that take them; `conversation`: chat episodes' TRL
-        arguments -- `prompts` and `completions` as message lists, which the functions get instead of the
-        text, and `environments` (TRL environment instances in this process), for the functions that take
-        it."""
+        `log_metric`, `log_extra` for the functions that take them; `conversation`: the TRL arguments of
+        chat episodes and of chat-data single-turn batches (`chat_said`) -- `prompts` and `completions` as
+        message lists, which the functions get instead of the text, and `environments` (TRL environment
+        instances in this process), for the functions that take it."""
         logging = log.keywords() if log is not None else None
         trl = dict(conversation or {})
         said = (trl.pop("prompts"), trl.pop("completions")) if trl else None
@@ -189,6 +192,32 @@ def completion_token_ids(rollout) -> list[list[int]]:
     included when generated (an env job: the transcript's tokens)."""
     ids, mask = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()
     return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def chat_said(p, row_pos: list[int], rollout, prompts: list[str], completions: list[str]) -> dict | None:
+    """TRL's reward arguments `prompts` and `completions` of a single-turn batch (no env, no tools) whose
+    data prompts are chat messages (TRL's `is_conversational`), as TRL 1.16's `_generate` builds them: each
+    prompt the row's messages (a copy), each completion a list of one assistant message -- the sampled ids
+    parsed with the tokenizer's response template after the rendered prompt (rl/chat.py `parse_response`,
+    TRL's), or `{"role": "assistant", "content": text}` for a tokenizer without one. None when no row's
+    prompt is messages: text data passes the text. A text row among chat rows keeps its text."""
+    field = p.source.field
+    raw = [p.source.examples(pos, 1)[0][field] for pos in row_pos]
+    chat = [isinstance(x, list) and bool(x) and isinstance(x[0], dict) and "role" in x[0] for x in raw]
+    if not any(chat):
+        return None
+    ids = completion_token_ids(rollout)
+    heads = rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu().bool()
+    said: dict[str, list] = {"prompts": [], "completions": []}
+    for i, (messages, is_chat) in enumerate(zip(raw, chat, strict=True)):
+        if not is_chat:
+            said["prompts"].append(prompts[i])
+            said["completions"].append(completions[i])
+            continue
+        prefix = heads[0][i][heads[1][i]].tolist()
+        said["prompts"].append(copy.deepcopy(messages))
+        said["completions"].append([parse_response(p.tokenizer, ids[i], prefix)])
+    return said
 
 
 def _call_checked(

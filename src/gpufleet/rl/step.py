@@ -37,7 +37,7 @@ from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
 from gpufleet.rl.episodes import episode_stats
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
-from gpufleet.rl.rewards import completion_token_ids
+from gpufleet.rl.rewards import chat_said, completion_token_ids
 from gpufleet.rl.tooldata import tools_on_data
 
 
@@ -86,16 +86,16 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         p.pending_ref_mixes.clear()
         log = RewardLog(gen_index * reuse_count(job), t.max_steps)  # TRL's trainer_state, log_metric, ...
         env_rewards = episodes.env_rewards if episodes else None
-        ids = completion_token_ids(rollout)
+        said = episodes.conversation if episodes else chat_said(p, row_pos, rollout, prompts, completions)
         per_function = p.rewards(
             prompts,
             completions,
             columns,
             remote.get("rm_scores"),
             env_rewards,
-            ids,
+            completion_token_ids(rollout),
             log,
-            conversation=episodes.conversation if episodes else None,  # chat: TRL's message lists
+            conversation=said,  # chat episodes, chat data: TRL's message lists
         )
     warn_unscorable(per_function, prompts, completions)
     per_function_all = _gather_rows_in_order(p, per_function)

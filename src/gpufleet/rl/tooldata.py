@@ -11,7 +11,9 @@ rl/chatturns.py): a turn with tool calls is answered by `tool` messages, spliced
 bridge tokens (never trained), and the policy samples again; up to rollout.max_tool_calling_iterations
 such turns, and a turn without calls -- or any turn past that -- ends the episode. Everything after the
 prompt is the completion, bounded as in TRL by rollout.max_completion_length: a turn samples at most what
-is left of it, and a tool answer that leaves no room for another token is dropped and ends the episode.
+is left of it; a tool answer past it is dropped and ends the episode, one that exactly fills it is kept
+(mask 0, its messages in the completion) and ends it, as TRL's `_tool_call_loop`; an episode is truncated
+when its last token is not EOS (TRL's `is_truncated`).
 The reward functions score it with TRL's arguments (rl/rewards.py). No environment runs: `NoEnv` takes
 its place in the episode loop. No torch import.
 """

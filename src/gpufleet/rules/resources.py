@@ -261,10 +261,8 @@ def _chat_needs_template(ctx: Context, first_chat: str | None):
 
     path = ctx.job.model.path
     cfg = None if is_builtin(path) else modelinfo.find_config_json(path, ctx.env)
-    has = cfg is not None and modelinfo.has_chat_template(cfg.parent)  # built-in tokenizers have none
-    if not has and (
-        cfg is not None or is_builtin(path)
-    ):  # None: a hub model not in the cache, its tokenizer unknown here
+    has = cfg is not None and modelinfo.has_chat_template(cfg.parent)  # built-ins: models/chat.py's
+    if not has and cfg is not None:  # None: a built-in, or a hub model not in the cache (unknown here)
         yield err(
             [ctx.ref("data.path"), ctx.ref("model.path")],
             f"the prompts are chat messages (first at {first_chat}), but the tokenizer of {ctx.job.model.path} "

@@ -1,0 +1,157 @@
+"""Single-turn jobs on chat-format data pass reward functions TRL 1.16's conversational forms: `prompts`
+the rows' message lists, `completions` one assistant message each, as TRL's `_generate` builds it (the
+tokenizer's `parse_response` on the sampled ids after the rendered prompt, or the decoded text for a
+tokenizer without a response template); text data still passes text."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from types import SimpleNamespace
+
+from helpers import run_user
+
+ROWS = [
+    {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}],
+        "answer": "5",
+    },
+    {"prompt": [{"role": "user", "content": "hi"}], "answer": "x"},
+]
+
+
+def _source(folder, rows):
+    from gpufleet.config.schema import DataSection
+    from gpufleet.rl.data import PromptSource
+
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return PromptSource(DataSection(path=str(folder / "data.jsonl"), shuffle=False), 0)
+
+
+def _ids(tok, text: str) -> list[int]:
+    """One token per character; "<eos>" and "<pad>" are those tokens."""
+    out, rest = [], text
+    while rest:
+        for special, token in (("<eos>", tok.eos_token_id), ("<pad>", tok.pad_token_id)):
+            if rest.startswith(special):
+                out.append(token)
+                rest = rest[len(special) :]
+                break
+        else:
+            out.append(tok.convert_tokens_to_ids(rest[0]))
+            rest = rest[1:]
+    return out
+
+
+def _rollout(tok, prompts: list[list[int]], completions: list[list[int]]):
+    import torch
+
+    from gpufleet.engine.rollout import Rollout, left_pad
+
+    prompt_ids, prompt_mask = left_pad(prompts, tok.pad_token_id, torch.device("cpu"))
+    width = max(len(c) for c in completions)
+    ids = torch.full((len(completions), width), tok.pad_token_id)
+    mask = torch.zeros((len(completions), width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, : len(c)], mask[i, : len(c)] = torch.tensor(c), 1
+    lengths = mask.sum(1)
+    return Rollout(prompt_ids, prompt_mask, ids, mask, lengths, lengths == width)
+
+
+# The sampled turns and what TRL 1.16 passes for them, worked out from its code by hand:
+# `parse_response(tokenizer, ids, prefix=prompt_ids, tools=[])` calls `tokenizer.parse_response(ids, ...)`
+# (decoded with special tokens), cuts a trailing eos_token off the content, makes an empty content "".
+TURNS = [
+    ("[add a=2,b=3]<eos>", {"name": "add", "arguments": {"a": "2", "b": "3"}}, ""),  # a call: content "<eos>"
+    ("ab<pad>c<eos>", None, "ab<pad>c"),  # special tokens inside stay (TRL decodes them)
+    ("hel", None, "hel"),  # cut by max_completion_length: no EOS to cut
+    ("[]<eos>", None, "[]"),  # not a call
+]
+
+
+def test_chat_data_passes_trls_message_lists_worked_out_by_hand(tmp_path):
+    from gpufleet.models.builtin import char_tokenizer
+    from gpufleet.rl.rewards import chat_said
+
+    tok = char_tokenizer()
+    p = SimpleNamespace(source=_source(tmp_path, ROWS), tokenizer=tok)
+    row_pos = [0, 0, 1, 1]
+    heads = [
+        tok.apply_chat_template(ROWS[i]["prompt"], add_generation_prompt=True, return_dict=False)
+        for i in row_pos
+    ]
+    rollout = _rollout(tok, heads, [_ids(tok, t) for t, _, _ in TURNS])
+    texts = ["prompt text"] * 4, ["completion text"] * 4
+    said = chat_said(p, row_pos, rollout, *texts)
+    assert said["prompts"] == [ROWS[0]["prompt"]] * 2 + [ROWS[1]["prompt"]] * 2
+    want = []
+    for _, call, content in TURNS:
+        message = {"role": "assistant", "content": content}
+        if call is not None:
+            message["tool_calls"] = [{"type": "function", "function": call}]
+        want.append([message])
+    assert said["completions"] == want
+    said["prompts"][0][0]["content"] = "changed by a reward function"
+    assert p.source.examples(0, 1)[0]["prompt"] == ROWS[0]["prompt"]  # the data row is not (a copy)
+
+    tok.response_template = None  # TRL: no response template, the text decoded without special tokens
+    said = chat_said(p, row_pos, rollout, *texts)
+    assert said["completions"] == [
+        [{"role": "assistant", "content": c}] for c in ("[add a=2,b=3]", "abc", "hel", "[]")
+    ]
+
+    text_rows = [{"prompt": "2+3?", "answer": "5"}]  # text data: None, the functions get the text
+    p.source = _source(tmp_path, text_rows)
+    assert chat_said(p, [0], _rollout(tok, [[5]], [[6]]), ["2+3?"], ["x"]) is None
+
+
+REWARDS = """
+import json
+
+
+def typed(prompts, completions, completion_ids, answer, **kwargs):
+    for p, c, ids in zip(prompts, completions, completion_ids):
+        assert isinstance(p, list) and p[-1] == {"role": "user", "content": p[-1]["content"]}, p
+        assert isinstance(c, list) and len(c) == 1 and c[0]["role"] == "assistant", c
+        assert isinstance(c[0]["content"], str) and isinstance(ids, list), c
+    with open("seen.jsonl", "a") as f:
+        f.write(json.dumps({"prompts": prompts, "completions": completions, "ids": completion_ids}) + "\\n")
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_single_turn_job_on_chat_data_passes_message_lists_from_the_installed_cli(tmp_path):
+    """A user's reward function that asserts TRL's conversational types runs a real single-turn job."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    with (tmp_path / "chat.jsonl").open("w") as f:
+        for i in range(8):
+            f.write(
+                json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)}) + "\n"
+            )
+    (tmp_path / "job.yaml").write_text(
+        textwrap.dedent(
+            """
+            model: {path: builtin:tiny-qwen2}
+            data: {path: chat.jsonl}
+            rollout: {max_prompt_length: 32, max_completion_length: 12}
+            reward: {functions: [my_rewards.py:typed]}
+            algorithm: {num_generations: 4}
+            train: {per_device_batch: 8, max_steps: 2, log_every: 1}
+            output: {dir: run}
+            """
+        )
+    )
+    p = run_user("train", "job.yaml", cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = [json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == 2
+    data = [json.loads(x)["prompt"] for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    from gpufleet.models.builtin import char_tokenizer
+
+    tok = char_tokenizer()
+    for batch in seen:
+        assert all(prompt in data for prompt in batch["prompts"])
+        for (message,), ids in zip(batch["completions"], batch["ids"], strict=True):
+            text = tok.decode(ids[:-1] if ids[-1:] == [tok.eos_token_id] else ids)
+            if "tool_calls" not in message and "[" not in text and "A:" not in text:
+                assert message == {"role": "assistant", "content": text}
