@@ -154,7 +154,7 @@ train:
   bf16: true
   learning_rat: 1.0e-5
   lr_scheduler_type: constant_with_warmup
-  adam_beta2: 0.99
+  optim: paged_adamw_8bit
   fsdp: full_shard auto_wrap
 reward:
   reward_weights: [1.0]
@@ -229,7 +229,7 @@ def test_trl_names_point_at_gpufleet_fields(tmp_path):
     # an option gpufleet has no field for says what gpufleet does instead
     no_field = {
         "model.disable_dropout": "sampling, the reference and the reward model run in eval mode",
-        "train.adam_beta2": "AdamW runs with torch's betas (0.9, 0.999)",
+        "train.optim": "AdamW (torch's, fused where the parameters allow it) is the only optimizer yet",
         "rollout.vllm_server_port": "there is no generation server to reach",
         "rollout.vllm_max_model_length": "the sampler's context is derived: rollout.max_prompt_length + ",
     }

@@ -107,11 +107,45 @@ def test_reward_error_is_one_line_and_keeps_old_outputs(tmp_path):
 
 
 def test_lr_schedules():
-    assert [lr_factor(s, warmup=2, total=10, kind="constant") for s in (0, 1, 5)] == [0.5, 1.0, 1.0]
+    assert [lr_factor(s, warmup=2, total=10, kind="constant") for s in (0, 1, 5)] == [0.0, 0.5, 1.0]
     assert lr_factor(2, warmup=2, total=10, kind="linear") == 1.0
     assert lr_factor(6, warmup=2, total=10, kind="linear") == 0.5
     assert lr_factor(6, warmup=2, total=10, kind="cosine") == pytest.approx(0.5)
     assert lr_factor(10, warmup=2, total=10, kind="cosine") == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "kind, hf", [("constant", "constant_with_warmup"), ("linear", "linear"), ("cosine", "cosine")]
+)
+def test_lr_schedules_equal_the_ones_trl_runs(kind, hf):
+    """Every step's learning rate equals transformers' scheduler of the same name (TRL's lr_scheduler_type),
+    warm-up included (0 at step 0)."""
+    from transformers import get_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_scheduler(hf, opt, num_warmup_steps=3, num_training_steps=10)
+    theirs = []
+    for _ in range(11):  # steps 0..10 (a run of max_steps 10 takes steps 0..9)
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = [lr_factor(s, warmup=3, total=10, kind=kind) for s in range(11)]
+    assert ours == pytest.approx(theirs, abs=1e-12)
+
+
+def test_adam_settings_reach_the_optimizer_and_bad_ones_are_refused(tmp_path):
+    """train.adam_beta1 / adam_beta2 / adam_epsilon (TRL's names) set AdamW's; a beta of 1 is one line, exit 2."""
+    from gpufleet.config.schema import TrainSection
+    from gpufleet.rl.optim import build_optimizer
+
+    train = TrainSection(adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, learning_rate=0.1)
+    opt, _ = build_optimizer([torch.nn.Parameter(torch.ones(3))], train)
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.99) and group["eps"] == 1e-6
+    (tmp_path / "job.yaml").write_text("model: {path: builtin:tiny-qwen2}\ntrain: {adam_beta2: 1.0}\n")
+    p = run_process("check", str(tmp_path / "job.yaml"), cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert "train.adam_beta2" in p.stdout + p.stderr
 
 
 def test_non_finite_loss_stops_cleanly_and_keeps_checkpoints(tmp_path):

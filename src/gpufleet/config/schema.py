@@ -188,6 +188,16 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
 
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW's beta1: the decay of its running mean of the gradients (TRL's name and default)."""
+
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW's beta2: the decay of its running mean of the squared gradients (TRL's name and default; GRPO
+    recipes often use 0.99)."""
+
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the root of the squared-gradient mean (TRL's name and default)."""
+
     max_grad_norm: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value (0 = no clipping)."""
 

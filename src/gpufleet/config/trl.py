@@ -104,7 +104,6 @@ _LOADER = "prompts are read by the trainer process itself, without a DataLoader 
 _HF_GENERATE = (
     "gpufleet samples with its own batched decoder (rollout.engine: hf), not transformers' generate"
 )
-_ADAM = "AdamW runs with torch's betas (0.9, 0.999) and eps 1e-8, TRL's defaults too; not settable yet"
 
 OPTIONS: dict[str, TrlOption] = {
     **{name: _at(f"algorithm.{name}") for name in _ALGO},
@@ -248,9 +247,9 @@ OPTIONS: dict[str, TrlOption] = {
         "train.lr_scheduler takes no arguments yet (cosine and linear decay to 0 at train.max_steps)"
     ),
     "optim": _none("AdamW (torch's, fused where the parameters allow it) is the only optimizer yet"),
-    "adam_beta1": _none(_ADAM),
-    "adam_beta2": _none(_ADAM),
-    "adam_epsilon": _none(_ADAM),
+    "adam_beta1": _at("train.adam_beta1"),
+    "adam_beta2": _at("train.adam_beta2"),
+    "adam_epsilon": _at("train.adam_epsilon"),
     "average_tokens_across_devices": _none(
         "token-level losses are always normalised by the token count over all policy ranks (TRL's default)"
     ),
