@@ -155,3 +155,17 @@ def test_a_single_turn_job_on_chat_data_passes_message_lists_from_the_installed_
             text = tok.decode(ids[:-1] if ids[-1:] == [tok.eos_token_id] else ids)
             if "tool_calls" not in message and "[" not in text and "A:" not in text:
                 assert message == {"role": "assistant", "content": text}
+
+
+def test_the_shipped_answer_rewards_read_chat_completions():
+    """gpufleet.rewards' functions score a TRL chat completion as its content, like the text."""
+    from gpufleet.rewards import answer_format, answer_match
+
+    chat = [
+        [{"role": "assistant", "content": "so <answer>1,234</answer>"}],
+        [{"role": "assistant", "content": "7"}],
+    ]
+    text = [c[0]["content"] for c in chat]
+    answers = ["... #### 1234", "#### 8"]
+    assert answer_match([], chat, answer=answers) == answer_match([], text, answer=answers) == [1.0, 0.0]
+    assert answer_format([], chat) == answer_format([], text) == [0.2, 0.0]

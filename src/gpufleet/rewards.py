@@ -5,13 +5,15 @@
 
 GSM8K-style data: the `answer` column holds a worked solution ending in `#### <number>` (or just the
 number). The completion's answer is the content of its last <answer>...</answer>, or else the last
-number it contains.
+number it contains; a chat completion (TRL's list of messages) is read as its messages' content.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from gpufleet.tasks.base import as_text
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _TAGGED = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -32,7 +34,7 @@ def reference_answer(answer: Any) -> str | None:
 
 
 def completion_answer(completion: Any) -> str | None:
-    text = completion if isinstance(completion, str) else str(completion)
+    text = as_text(completion)
     tagged = _TAGGED.findall(text)
     return _number(tagged[-1] if tagged else text)
 
@@ -52,4 +54,4 @@ def answer_match(
 
 def answer_format(prompts: list, completions: list, **_: Any) -> list[float]:
     """0.2 when the completion puts its answer in <answer>...</answer> (a small shaping reward)."""
-    return [0.2 if _TAGGED.search(c if isinstance(c, str) else str(c)) else 0.0 for c in completions]
+    return [0.2 if _TAGGED.search(as_text(c)) else 0.0 for c in completions]
