@@ -183,6 +183,26 @@ def test_tools_on_data_job_gets_a_split_that_check_accepts(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _rollout_logprob_bytes(plan: dict) -> int:
+    (rank,) = [p for d in plan["devices"] for p in d["processes"] if p["role"] == "rollout rank 0"]
+    return rank["detail"]["sampling_logprobs"]
+
+
+def test_greedy_rollout_rank_sizes_a_logprob_pass_for_single_turn_rows_only(tmp_path):
+    """With the IS correction and greedy decoding, a single-turn job's rollout rank scores its rows in a
+    forward of their own (the plan sizes it); a tools-on-data job's turns record theirs or go without."""
+    from test_tools_dataset import _files, _job_file
+
+    greedy = ["--set", "placement.policy=0", "--set", "placement.rollout=1", "--set", "rollout.temperature=0"]
+    _user_job(tmp_path, "quickstart.yaml")
+    code, out = _plan_json(tmp_path, "quickstart.yaml", "2x24GB", *greedy)
+    assert code == 0 and _rollout_logprob_bytes(out["plan"]) > 0
+    _files(tmp_path)
+    _job_file(tmp_path)
+    code, out = _plan_json(tmp_path, "job.yaml", "2x24GB", *greedy)
+    assert code == 0 and _rollout_logprob_bytes(out["plan"]) == 0
+
+
 def test_split_cost_by_hand():
     """speed.py: g from the job's shape; with the same rows on each side a split hides min(g, 1 - g) of a
     step, the most overlap can give; a rollout rank serving 2 policy ranks samples their rows at once."""

@@ -349,8 +349,8 @@ def _unbindable(
                 f"{', '.join(columns) or 'none besides the prompt'})"
             )
             fix = (
-                f"--set env.servers=0 (gpufleet passes it for a TRL environment class in the trainer), or "
-                f"drop the parameter and read kwargs.get({first!r})"
+                f"drop the parameter and read kwargs.get({first!r}): gpufleet passes it for a TRL "
+                f"environment class run in the trainer only (--set env.servers=0 where env.name is one)"
                 if first in TRL_ONLY
                 else f"add a {first!r} column to the data, or give the parameter a default ({first}=None)"
             )

@@ -17,6 +17,7 @@ from gpufleet.plan.inference import (
 from gpufleet.plan.loads import ProcessLoad
 from gpufleet.plan.memory import Precision
 from gpufleet.plan.shape import Models, adapter_parameters
+from gpufleet.rl.tooldata import tools_on_data
 from gpufleet.topology import Topology
 
 
@@ -75,8 +76,10 @@ def rollout_process(
 
 def _logprob_pass(job) -> bool:
     """Whether the rollout rank may run a forward for the sampling log-probs: with the correction, greedy
-    single-turn rows (sampling records them while decoding; env turns record them or go without)."""
-    return job.algorithm.importance_sampling_correction and job.rollout.temperature == 0 and not job.env.name
+    single-turn rows (sampling records them while decoding; the turns of env and tool episodes record them
+    or go without)."""
+    single_turn = not (job.env.name or tools_on_data(job))
+    return job.algorithm.importance_sampling_correction and job.rollout.temperature == 0 and single_turn
 
 
 def push_bucket(r: Resolved, models: Models) -> int:
