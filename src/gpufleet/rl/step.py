@@ -18,6 +18,7 @@ import torch
 
 from gpufleet.dist import Runtime, all_gather_rows, all_reduce_sum
 from gpufleet.engine.logprobs import sequence_logprobs
+from gpufleet.engine.rollout import Rollout
 from gpufleet.errors import UserError
 from gpufleet.parallel import release
 from gpufleet.rl import rolloutplay, rollouts, sampler, scorer
@@ -34,7 +35,7 @@ from gpufleet.rl.batch import (
     tokenize_prompts,
 )
 from gpufleet.rl.entropy import entropy_threshold, high_entropy_mask
-from gpufleet.rl.episodes import episode_stats
+from gpufleet.rl.episodes import Episodes, episode_stats
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import chat_said, completion_token_ids
@@ -47,33 +48,13 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
     job, rt, t = p.job, p.rt, p.job.train
     G = job.algorithm.num_generations
     rows, row_pos, seeds = _layout(p, gen_index)
-    episodes = answer = None
-    if job.env.name or tools_on_data(job):  # played here or on a dedicated rollout rank (rl/rolloutplay.py)
-        episodes, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
-        rollout, loss_mask, prompts, completions, columns = (
-            episodes.rollout,
-            episodes.loss_mask,
-            episodes.prompts,
-            episodes.transcripts,
-            episodes.columns,
-        )
-    else:
-        prompt_ids, prompts, columns = _prompts(p, row_pos)
-        if p.remote is not None:  # a dedicated rollout rank, maybe ahead (rl/rollouts.py)
-            answer = rollouts.fetch(p.remote, p.policy, gen_index, lambda g: _request(p, g))
-            rollout = answer.rollout.to(p.device)
-        else:
-            rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
-        loss_mask = rollout.completion_mask.float()
-        if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
-            loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
-        completions = p.tokenizer.batch_decode(
-            rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
-        )
+    got = _sampled(p, rows, row_pos, seeds, gen_index)
+    rollout, prompts, completions = got.rollout, got.prompts, got.completions
+    episodes, answer = got.episodes, got.answer
     batch = GenerationBatch(
         input_ids=rollout.input_ids,
         attention_mask=rollout.attention_mask,
-        completion_mask=loss_mask,
+        completion_mask=got.loss_mask,
         advantages=torch.zeros(len(rows)),
         old_logprobs=None,
         ref_logprobs=None,
@@ -90,7 +71,7 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         per_function = p.rewards(
             prompts,
             completions,
-            columns,
+            got.columns,
             remote.get("rm_scores"),
             env_rewards,
             completion_token_ids(rollout),
@@ -123,6 +104,44 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         logged=log.step_metrics(rt),
         extras=log.row_extras(len(completions)),
     )
+
+
+@dataclass
+class _Sampled:
+    """This rank's rows of a generation batch, sampled (or played): the rollout, its loss mask, the prompts
+    and completions as the reward functions get them, the data rows' other columns, and where they came
+    from (the episodes of an env / tools job; a dedicated rollout rank's answer)."""
+
+    rollout: Rollout
+    loss_mask: torch.Tensor
+    prompts: list
+    completions: list
+    columns: dict
+    episodes: Episodes | None = None
+    answer: object | None = None
+
+
+def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
+    """Episodes played (env or tools on a data set: here or on a dedicated rollout rank, rl/rolloutplay.py),
+    or single-turn completions sampled (here, or by a rollout rank, maybe ahead: rl/rollouts.py)."""
+    job = p.job
+    if job.env.name or tools_on_data(job):
+        ep, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
+        return _Sampled(ep.rollout, ep.loss_mask, ep.prompts, ep.transcripts, ep.columns, ep, answer)
+    prompt_ids, prompts, columns = _prompts(p, row_pos)
+    answer = None
+    if p.remote is not None:
+        answer = rollouts.fetch(p.remote, p.policy, gen_index, lambda g: _request(p, g))
+        rollout = answer.rollout.to(p.device)
+    else:
+        rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
+    loss_mask = rollout.completion_mask.float()
+    if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
+        loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
+    completions = p.tokenizer.batch_decode(
+        rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
+    )
+    return _Sampled(rollout, loss_mask, prompts, completions, columns, None, answer)
 
 
 def _layout(p: Parts, gen_index: int) -> tuple[list[int], list[int], list[int]]:
