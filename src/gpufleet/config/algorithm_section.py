@@ -80,6 +80,13 @@ class AlgorithmSection(Section):
     it (mean of log pi_old - log pi over its tokens) exceeds this (DeepSeek-V3.2's off-policy sequence
     mask, arXiv 2512.02556, eq. 9; TRL's name, e.g. 0.5). None: off. On-policy it drops nothing."""
 
+    router_aux_loss_coef: float | None = None
+    """Weight of a Mixture-of-Experts model's load-balancing loss (the router's auxiliary loss, from every
+    layer's router logits over the micro-batch's attended tokens), added to the loss as TRL does:
+    coef x aux_loss / accumulation steps. TRL's name and default: None takes the model config's own
+    `router_aux_loss_coef` (Qwen2-MoE / Qwen3-MoE: 0.001) for a model that returns router logits, and is
+    off (0) for any other; 0 turns it off. Logged as `aux_loss`."""
+
     importance_sampling_correction: bool = True
     """Correct for the sampler not being the trainer (TRL's `vllm_importance_sampling_correction`, same
     default): where a dedicated rollout rank samples (placement.rollout; a copy of the policy in the

@@ -112,9 +112,7 @@ OPTIONS: dict[str, TrlOption] = {
     "trust_remote_code": _none(
         "only architectures transformers ships load; code that comes with a model is never run"
     ),
-    "router_aux_loss_coef": _none(
-        "no MoE load-balancing loss is added (as TRL with 0.0; TRL's default adds the model config's)"
-    ),
+    "router_aux_loss_coef": _at("algorithm.router_aux_loss_coef"),
     "disable_dropout": _none(
         "sampling, the reference and the reward model run in eval mode (no dropout); the training forward "
         "keeps the model's own dropout (0 in Llama / Qwen / Mistral configs; LoRA's is model.lora_dropout), "

@@ -351,3 +351,19 @@ def file_round_trip_note(folder: Path) -> str | None:
         lambda t: tok.encode(t, add_special_tokens=False).ids,
         lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
+
+
+def router_aux_coef(coef: float | None, raw: Mapping[str, Any]) -> float:
+    """The weight of the router's load-balancing loss for a model config `raw` (config.json's dict), as
+    TRL 1.16 takes it: `coef` (algorithm.router_aux_loss_coef) if set, else the (text) config's own
+    `router_aux_loss_coef`, or 0; 0 for a model that returns no router logits (no
+    `output_router_logits` in its config). A nonzero `coef` for such a model is a ValueError (TRL's too)."""
+    text = raw.get("text_config") or raw
+    moe = "output_router_logits" in text
+    if coef and not moe:
+        raise ValueError(
+            f"router_aux_loss_coef {coef} is set, but the model ({text.get('model_type', '?')}) is not a "
+            "Mixture-of-Experts model that returns router logits: there is no auxiliary loss to weight"
+        )
+    weight = float(text.get("router_aux_loss_coef") or 0.0) if coef is None else float(coef)
+    return weight if moe else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,18 @@ class Parts:
     @property
     def device(self) -> torch.device:
         return self.rt.device
+
+    @functools.cached_property
+    def router_aux(self) -> float:
+        """The weight of a Mixture-of-Experts policy's router load-balancing loss (0: none; TRL's rule,
+        models/info.py `router_aux_coef`)."""
+        from gpufleet.errors import UserError
+        from gpufleet.models.info import router_aux_coef
+
+        try:
+            return router_aux_coef(self.job.algorithm.router_aux_loss_coef, self.policy.config.to_dict())
+        except ValueError as e:  # check refuses it first (rules/algorithm.py)
+            raise UserError(f"{e}.", field="algorithm.router_aux_loss_coef", fix="remove it (or 0)") from e
 
     @property
     def early(self) -> tuple[int | None, int]:

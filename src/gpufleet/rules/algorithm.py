@@ -105,3 +105,19 @@ def reference_sync(ctx: Context):
             "(not supported yet).",
             "--set placement.strategy=ddp",
         )
+
+
+@rule
+def router_aux_loss(ctx: Context):
+    """A router load-balancing weight for a model that has no router (TRL raises on it too)."""
+    from gpufleet.models.info import router_aux_coef
+
+    coef = ctx.job.algorithm.router_aux_loss_coef
+    if not coef or ctx.model is None:
+        return
+    try:
+        router_aux_coef(coef, ctx.model.raw)
+    except ValueError as e:
+        yield err(
+            [ctx.ref("algorithm.router_aux_loss_coef"), ctx.ref("model.path")], f"{e}.", "remove it (or 0)"
+        )
