@@ -169,3 +169,25 @@ def test_the_shipped_answer_rewards_read_chat_completions():
     answers = ["... #### 1234", "#### 8"]
     assert answer_match([], chat, answer=answers) == answer_match([], text, answer=answers) == [1.0, 0.0]
     assert answer_format([], chat) == answer_format([], text) == [0.2, 0.0]
+
+
+def test_chat_data_prompts_are_rendered_with_chat_template_kwargs(tmp_path):
+    """rollout.chat_template_kwargs reach the template for a single-turn job's chat prompts (TRL passes
+    them to apply_chat_template there too), and check does not call them unread for a data job."""
+    from gpufleet.models.builtin import char_tokenizer
+    from gpufleet.rl.batch import tokenize_prompts
+
+    tok = char_tokenizer()
+    tok.chat_template = (
+        "{% if brief %}B|{% endif %}{% for m in messages %}U:{{ m['content'] }}\n{% endfor %}A:"
+    )
+    rows = [[{"role": "user", "content": "hi"}]]
+    assert tokenize_prompts(tok, rows, 64)[1] == ["U:hi\nA:"]
+    ids, texts = tokenize_prompts(tok, rows, 64, template_kwargs={"brief": True})
+    assert texts == ["B|U:hi\nA:"] and ids == [tok.encode("B|U:hi\nA:", add_special_tokens=False)]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": rows[0], "answer": "x"}) + "\n")
+    job = "model: {path: builtin:tiny-qwen2}\ndata: {path: chat.jsonl}\n"
+    job += "reward: {functions: [gpufleet.rewards:answer_match]}\n"
+    (tmp_path / "job.yaml").write_text(job + "rollout: {chat_template_kwargs: {brief: true}}\n")
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0 and "only read in chat episodes" not in p.stdout, p.stdout + p.stderr

@@ -156,8 +156,8 @@ class RolloutSection(Section):
     """Seconds one tool call may take; past it the call's result is an error and the run goes on."""
 
     chat_template_kwargs: Mapping = Field(default_factory=dict)
-    """Extra keyword arguments for the tokenizer's `apply_chat_template` in chat episodes (TRL's name),
-    e.g. `{enable_thinking: false}`."""
+    """Extra keyword arguments for the tokenizer's `apply_chat_template` (TRL's name), e.g.
+    `{enable_thinking: false}`: in chat episodes, and for the prompts of chat-format data."""
 
 
 class TrainSection(Section):

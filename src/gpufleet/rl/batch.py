@@ -258,23 +258,27 @@ def encode_prompt(tokenizer, text: str, max_len: int, name: str) -> list[int]:
 
 
 def tokenize_prompts(
-    tokenizer, prompts: list, max_len: int, names: list[str] | None = None
+    tokenizer, prompts: list, max_len: int, names: list[str] | None = None, template_kwargs=None
 ) -> tuple[list[list[int]], list[str]]:
-    """Token ids (left-truncated to max_len) and the prompt text; chat prompts get the chat template.
-    `names`: how errors name each prompt (e.g. "row 7 of data.jsonl")."""
+    """Token ids (left-truncated to max_len) and the prompt text; chat prompts get the chat template (with
+    `template_kwargs`: rollout.chat_template_kwargs, as TRL passes them). `names`: how errors name each
+    prompt (e.g. "row 7 of data.jsonl")."""
     names = names or [f"prompt {i}" for i in range(len(prompts))]
-    texts = [_render(tokenizer, p, name) for p, name in zip(prompts, names, strict=True)]
+    kw = dict(template_kwargs or {})
+    texts = [_render(tokenizer, p, name, kw) for p, name in zip(prompts, names, strict=True)]
     ids = [encode_prompt(tokenizer, t, max_len, name) for t, name in zip(texts, names, strict=True)]
     return ids, texts
 
 
-def _render(tokenizer, prompt, name: str) -> str:
+def _render(tokenizer, prompt, name: str, template_kwargs: dict) -> str:
     if not isinstance(prompt, list):
         return prompt
     from gpufleet.errors import UserError
 
     try:
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
     except Exception as e:  # the chat template (jinja) refused these messages
         raise UserError(
             f"the chat template cannot render {name}: {type(e).__name__}: {e}",

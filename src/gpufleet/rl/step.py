@@ -198,6 +198,7 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
         [examples[pos][field] for pos in positions],
         p.job.rollout.max_prompt_length,
         [p.source.describe(pos) for pos in positions],
+        p.job.rollout.chat_template_kwargs,
     )
     ids_by_pos = dict(zip(positions, ids, strict=True))
     text_by_pos = dict(zip(positions, texts, strict=True))

@@ -34,7 +34,10 @@ def tools_need_chat_episodes(ctx: Context):
             "--set env.format=chat",
         )
     if not _chat(job):
+        data_job = not job.env.name  # its chat-format prompts are rendered with chat_template_kwargs too
         for path in TOOL_FIELDS:
+            if data_job and path == "rollout.chat_template_kwargs":
+                continue
             if path in ctx.r.set_fields("rollout"):
                 yield warn(
                     [ctx.ref(path)],
