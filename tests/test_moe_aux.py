@@ -1,7 +1,7 @@
 """A Mixture-of-Experts policy's router load-balancing loss, as TRL 1.16 adds it (`router_aux_loss_coef`):
 the coefficient rule by hand, the gradient of a real step on a tiny Qwen2-MoE equal to the policy loss's
-plus coef x the mean over micro-batches of Hugging Face's own aux loss, `aux_loss` logged, and check
-refusing a weight for a model without a router."""
+plus coef x Hugging Face's own aux loss, whatever the micro-batches (and ranks: the slow test), `aux_loss`
+logged, and check refusing a weight for a model without a router."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpufleet.models.info import router_aux_coef
-from helpers import run_user
+from helpers import run_user, sets
 
 QWEN2_MOE = {"model_type": "qwen2_moe", "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
@@ -61,15 +61,14 @@ def _job(tmp_path):
     from test_trainer import make_job
 
     model = _moe_folder(tmp_path / "moe")
-    return make_job(tmp_path, f"model.path={model}", "train.micro_batch=3", "train.max_grad_norm=0")
+    return make_job(tmp_path, f"model.path={model}", "train.max_grad_norm=0")
 
 
-def test_the_step_adds_coef_times_the_routers_aux_loss_per_micro_batch(tmp_path):
-    """grad(coef) == grad(0) + coef x grad(sum over micro-batches of HF's aux_loss / their count) (float32:
-    MoE's grouped matmul has no float64);
-    `aux_loss` is the micro-batches' mean (TRL: loss + coef * aux_loss / gradient_accumulation_steps)."""
+def test_the_step_adds_coef_times_the_routers_aux_loss_whatever_the_micro_batches(tmp_path):
+    """One micro-batch: grad(coef) == grad(0) + coef x grad(HF's aux_loss of the whole batch), as TRL adds
+    it; 3 micro-batches give the same gradient and aux_loss (the step's picks and probabilities counted over
+    all of them, not per forward as TRL does). float32: MoE's grouped matmul has no float64."""
     from gpufleet.rl import trainer
-    from gpufleet.rl.batch import length_cut
 
     job = _job(tmp_path)
     parts = trainer.build(job)
@@ -77,38 +76,35 @@ def test_the_step_adds_coef_times_the_routers_aux_loss_per_micro_batch(tmp_path)
     autocast = trainer.autocast_for(job, parts.device)
     scored = trainer.generation_step(parts, 0, autocast)
 
-    def grads(coef):
-        parts.router_aux = coef
+    def grads(coef, micro):
+        parts.router_aux, job.train.micro_batch = coef, micro
         opt = torch.optim.SGD(parts.policy.parameters(), lr=0.0)
         metrics = trainer.optimizer_step(parts, scored.batch, opt, autocast)
         return metrics, [q.grad.clone() for q in parts.policy.parameters()]
 
-    plain, g0 = grads(0.0)
+    plain, g0 = grads(0.0, 8)
     assert "aux_loss" not in plain
     coef = 0.5
-    metrics, g1 = grads(coef)
-    micro = [mb for _, mb in scored.batch.micro_batches(3, length_cut(parts.train_model, parts.early))]
-    assert len(micro) == 3
+    whole, g1 = grads(coef, 8)
     parts.policy.zero_grad(set_to_none=True)
-    auxes = []
-    for mb in micro:
-        positions = (mb.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = parts.policy(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=positions,
-            output_router_logits=True,
-        )
-        (out.aux_loss / len(micro)).backward()
-        auxes.append(out.aux_loss.item())
+    batch = scored.batch
+    out = parts.policy(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=(batch.attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        output_router_logits=True,
+    )
+    out.aux_loss.backward()
     g_aux = [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in parts.policy.parameters()]
     assert max(float(g.abs().max()) for g in g_aux) > 1e-6  # the router's loss moves weights: not vacuous
     for a, b, aux in zip(g1, g0, g_aux, strict=True):
         torch.testing.assert_close(a, b + coef * aux, rtol=1e-4, atol=1e-6)
-    assert metrics["aux_loss"] == pytest.approx(sum(auxes) / len(auxes), rel=1e-6)
-    assert metrics["policy_loss" if "policy_loss" in metrics else "loss"] == pytest.approx(
-        plain["policy_loss" if "policy_loss" in plain else "loss"], rel=1e-6
-    )
+    assert whole["aux_loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert whole["loss"] == pytest.approx(plain["loss"], rel=1e-6)  # gpufleet's loss: the policy's
+    split, g3 = grads(coef, 3)
+    for a, b in zip(g3, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert split["aux_loss"] == pytest.approx(whole["aux_loss"], rel=1e-5)
 
 
 def test_check_refuses_a_router_weight_for_a_model_without_one(tmp_path):
@@ -139,3 +135,28 @@ def test_a_moe_run_from_the_cli_logs_aux_loss(tmp_path):
             assert len(rows) == 2 and all(r["aux_loss"] > 0 for r in rows), rows
         else:
             assert all("aux_loss" not in r for r in rows)
+
+
+@pytest.mark.slow
+def test_two_policy_ranks_train_a_moe_to_one_ranks_weights(tmp_path):
+    """The router loss counted over the step (both ranks' rows) keeps the rank-count guarantee for a MoE
+    policy: 2 processes (torchrun, gloo), 4 steps, give 1 process's weights within 1e-5."""
+    from test_rollout_ranks import assert_same_run
+
+    _moe_folder(tmp_path / "moe")
+    (tmp_path / "job.yaml").write_text(
+        "model: {path: moe}\nrollout: {max_completion_length: 8}\n"
+        "algorithm: {num_generations: 4, router_aux_loss_coef: 0.5}\n"
+        "train: {max_steps: 4, per_device_batch: 16, learning_rate: 1.0e-3, log_every: 1}\n"
+        "output: {save_every: 0}\n"
+    )
+    one, two = tmp_path / "one", tmp_path / "two"
+    p = run_user("train", "job.yaml", "--gpus", "cpu", *sets(f"output.dir={one}"), cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    two_ranks = sets(f"output.dir={two}", "launch.nproc_per_node=2", "train.per_device_batch=8")
+    p = run_user("train", "job.yaml", "--gpus", "cpu", *two_ranks, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert_same_run(one, two)
+    rows = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    twos = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    assert [r["aux_loss"] for r in rows] == pytest.approx([r["aux_loss"] for r in twos], rel=1e-5)

@@ -81,11 +81,13 @@ class AlgorithmSection(Section):
     mask, arXiv 2512.02556, eq. 9; TRL's name, e.g. 0.5). None: off. On-policy it drops nothing."""
 
     router_aux_loss_coef: float | None = None
-    """Weight of a Mixture-of-Experts model's load-balancing loss (the router's auxiliary loss, from every
-    layer's router logits over the micro-batch's attended tokens), added to the loss as TRL does:
-    coef x aux_loss / accumulation steps. TRL's name and default: None takes the model config's own
-    `router_aux_loss_coef` (Qwen2-MoE / Qwen3-MoE: 0.001) for a model that returns router logits, and is
-    off (0) for any other; 0 turns it off. Logged as `aux_loss`."""
+    """Weight of a Mixture-of-Experts model's router load-balancing loss (Hugging Face's
+    `load_balancing_loss_func` over every MoE layer's router logits), added to the loss: + coef x aux_loss.
+    TRL takes it per forward (/ accumulation steps); gpufleet over the optimizer step's attended tokens on
+    every rank, so micro_batch and the rank count do not change it (the same as TRL's for one micro-batch
+    on one rank). TRL's name and default: None takes the model config's own `router_aux_loss_coef`
+    (Qwen2-MoE / Qwen3-MoE: 0.001) for a model that returns router logits, and is off (0) for any other; 0
+    turns it off. Logged as `aux_loss`."""
 
     importance_sampling_correction: bool = True
     """Correct for the sampler not being the trainer (TRL's `vllm_importance_sampling_correction`, same

@@ -37,7 +37,7 @@ def sequence_logprobs(
     eos_token_id: int | None = None,
     pack_over: int | None = 0,
     entropy: bool = True,
-    aux: list | None = None,
+    router: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs and entropies (both (B, T), float32) of ``input_ids[:, completion_start:]``;
     with ``entropy=False`` (TRL's ``compute_entropy=False``, for the no-grad old and reference passes) the
@@ -65,7 +65,7 @@ def sequence_logprobs(
     settings = (temperature, tuple(suppress_tokens), eos_token_id, min_new_tokens, entropy)
     if (
         pack_over is not None
-        and aux is None
+        and router is None
         and packing.saves_over(attention_mask, pack_over)
         and packing.applies(model, eos_token_id, min_new_tokens)
     ):
@@ -73,7 +73,7 @@ def sequence_logprobs(
         if packed is not None:
             return packed
 
-    routed = {} if aux is None else {"output_router_logits": True}
+    routed = {} if router is None else {"output_router_logits": True}
 
     def forward() -> torch.Tensor:
         with fused_layers(model):
@@ -85,8 +85,8 @@ def sequence_logprobs(
                 logits_to_keep=steps + 1,
                 **routed,
             )
-        if aux is not None:
-            aux.append(out.aux_loss)
+        if router is not None:
+            router.append(out.router_logits)
         return out.logits
 
     lm = causal_lm(model) if not switched_off(FUSED_LOGPROBS) else None

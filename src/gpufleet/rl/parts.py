@@ -127,7 +127,7 @@ def build(
     )
     loss = Loss.from_job(job)
     suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)
-    return Parts(
+    parts = Parts(
         job,
         rt,
         policy,
@@ -142,6 +142,8 @@ def build(
         EntropyControl.from_job(job),
         remote=rollouts.connect(rt, job),
     )
+    parts.router_aux  # noqa: B018 -- a weight for a model without a router: one line now, not a step later
+    return parts
 
 
 def _models(

@@ -39,6 +39,7 @@ from gpufleet.rl.episodes import Episodes, episode_stats
 from gpufleet.rl.parts import Parts, sample
 from gpufleet.rl.rewardlog import RewardLog
 from gpufleet.rl.rewards import chat_said, completion_token_ids
+from gpufleet.rl.routeraux import StepRouter, step_router
 from gpufleet.rl.tooldata import tools_on_data
 
 
@@ -292,10 +293,11 @@ def optimizer_step(p: Parts, batch: GenerationBatch, opt, autocast) -> dict[str,
     micro_batches = [mb for _, mb in batch.micro_batches(micro, cut)]
     with rt.clock.phase("backward"):  # forward + backward (DDP's gradient all-reduce overlaps it)
         gate = _entropy_gate(p, micro_batches, global_tokens, autocast)
+        router = step_router(p, micro_batches, autocast)  # a MoE policy's load-balancing loss (or None)
         opt.zero_grad(set_to_none=True)
         for k, mb in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
-            _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate, len(micro_batches))
+            _accumulate(p, mb, sync, normalizer, global_tokens, totals, autocast, gate, router)
     with rt.clock.phase("optimizer"):
         grad_norm = _clip_gradients(p)
         opt.step()
@@ -342,9 +344,9 @@ def _gather_values(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[:n] for x, n in zip(all_gather_rows(rt, padded), counts, strict=True)])
 
 
-def _forward(p: Parts, mb: GenerationBatch, aux: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies of a micro-batch under the trained policy (`aux`: a list that
-    gets the micro-batch's router load-balancing loss, for a Mixture-of-Experts policy)."""
+def _forward(p: Parts, mb: GenerationBatch, router: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of a micro-batch under the trained policy (`router`: a list that
+    gets a Mixture-of-Experts policy's router logits)."""
     return sequence_logprobs(
         p.train_model,
         mb.input_ids,
@@ -355,7 +357,7 @@ def _forward(p: Parts, mb: GenerationBatch, aux: list | None = None) -> tuple[to
         eos_token_id=p.early[0],
         min_new_tokens=p.early[1],
         pack_over=pack_over(p.train_model),
-        aux=aux,
+        router=router,
     )
 
 
@@ -368,14 +370,13 @@ def _accumulate(
     totals: dict,
     autocast,
     gate: EntropyGate,
-    accumulation: int = 1,
+    router: StepRouter | None = None,
 ) -> None:
-    """Forward and backward of one micro-batch (one of `accumulation` this optimizer step); add its share
-    of the step's metrics to `totals`."""
+    """Forward and backward of one micro-batch; add its share of the step's metrics to `totals`."""
     ranks = p.rt.policy_size
-    aux = [] if p.router_aux else None
+    logits = [] if router is not None else None
     with no_sync(p.train_model, sync), autocast():
-        logp, entropy = _forward(p, mb, aux)
+        logp, entropy = _forward(p, mb, logits)
         logp, entropy = logp.float(), entropy.float()
         if mb.sampling_logprobs is not None:  # a rollout rank's batch used once: its IS weights from logp
             totals.setdefault("_sampler", []).append(sampler.in_loss(p, logp, mb))
@@ -399,9 +400,10 @@ def _accumulate(
                 total - gate.coef * bonus * ranks
             )  # DDP averages over ranks: x ranks gives the global mean
             totals["_trained_entropy"] = totals.get("_trained_entropy", 0.0) + bonus.item()
-        if aux:  # TRL: loss + coef * aux_loss / accumulation steps, per rank (DDP/FSDP average the ranks)
-            total = total + p.router_aux * aux[0].float() / accumulation
-            totals["aux_loss"] = totals.get("aux_loss", 0.0) + aux[0].item() / (accumulation * ranks)
+        if router is not None:  # the step's load-balancing loss, a share a micro-batch (rl/routeraux.py)
+            added, aux = router.loss(logits[0], mb.attention_mask, ranks)
+            total = total + added
+            totals["aux_loss"] = totals.get("aux_loss", 0.0) + aux
         total.backward()
     share = mb.num_tokens / max(global_tokens, 1)
     row_share = mb.input_ids.shape[0] / (p.job.train.per_device_batch * ranks)
