@@ -204,8 +204,9 @@ class TrainSection(Section):
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to train."""
 
-    seed: int = Field(42, ge=0)
-    """Seed for initialisation, data order and sampling (sampling is seeded per prompt, not per rank)."""
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+    """Seed for initialisation, data order and sampling (sampling is seeded per prompt, not per rank); at
+    most 2**32 - 1, as transformers' set_seed (numpy's seed) accepts."""
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: fp32, or bf16/fp16 with fp32 master weights (autocast; under FSDP over several

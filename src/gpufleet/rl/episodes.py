@@ -53,8 +53,9 @@ def episode_seed(seed: int, position: int) -> int:
 
 
 def turn_seed(sample_seed: int, turn: int) -> int:
-    """Sampling seed of turn `turn` of an episode whose first turn would use `sample_seed`."""
-    return sample_seed * 1_009 + turn
+    """Sampling seed of turn `turn` of an episode whose first turn would use `sample_seed`, folded into
+    [0, 2**64) (the seeds torch.Generator takes: a large train.seed made it overflow)."""
+    return (sample_seed * 1_009 + turn) % 2**64
 
 
 @dataclass

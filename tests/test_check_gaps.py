@@ -1,0 +1,48 @@
+"""Jobs `gpufleet check` passes must not fail in `gpufleet train` (and what train would refuse, check says
+first): the gaps found by varying the shipped examples' settings, each run through the installed CLI
+from a user's folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import run_user, sets
+
+KEYS = """\
+model: {path: builtin:tiny-qwen2}
+env:
+  name: builtin:keys
+  kwargs: {doors: 3, length: 4, letters: abcdef}
+  servers: 0
+  max_turns: 2
+  max_action_tokens: 4
+  max_observation_tokens: 4
+algorithm: {name: grpo, num_generations: 2}
+rollout: {max_prompt_length: 8}
+train: {per_device_batch: 4, learning_rate: 0.003, max_steps: 1}
+output: {dir: runs/keys}
+"""
+
+
+def _job(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "job.yaml").write_text(text)
+    return tmp_path
+
+
+def test_the_largest_seed_check_passes_trains_an_env_job(tmp_path):
+    """Each turn's sampling seed grew with train.seed past what torch.Generator takes (2**64): an env job
+    with a seed from about 1.8e7 on stopped with a traceback after check had passed it."""
+    user = _job(tmp_path, KEYS)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("train.seed=4294967295"), cwd=user)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("train", "job.yaml", "--gpus", "cpu", *sets("train.seed=4294967295"), cwd=user, timeout=240)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert (user / "runs" / "keys" / "final").is_dir()
+
+
+def test_check_refuses_a_seed_numpy_and_torch_cannot_take(tmp_path):
+    user = _job(tmp_path, KEYS)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("train.seed=99999999999999999999"), cwd=user)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "train.seed" in p.stdout and "less than or equal to 4294967295" in p.stdout
+    assert "Traceback" not in p.stdout + p.stderr
