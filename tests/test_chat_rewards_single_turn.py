@@ -190,4 +190,8 @@ def test_chat_data_prompts_are_rendered_with_chat_template_kwargs(tmp_path):
     job += "reward: {functions: [gpufleet.rewards:answer_match]}\n"
     (tmp_path / "job.yaml").write_text(job + "rollout: {chat_template_kwargs: {brief: true}}\n")
     p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
-    assert p.returncode == 0 and "only read in chat episodes" not in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "is only read" not in p.stdout, p.stdout + p.stderr
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hi", "answer": "x"}) + "\n")  # text prompts
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "rollout.chat_template_kwargs is only read for chat-format prompts" in p.stdout, p.stdout

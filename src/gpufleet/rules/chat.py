@@ -34,7 +34,9 @@ def tools_need_chat_episodes(ctx: Context):
             "--set env.format=chat",
         )
     if not _chat(job):
-        data_job = not job.env.name  # its chat-format prompts are rendered with chat_template_kwargs too
+        # a data file's chat-format prompts are rendered with chat_template_kwargs too (resources.py's
+        # data_available says it when the file has none); built-in tasks' prompts are text
+        data_job = not job.env.name and not job.data.path.startswith("builtin:")
         for path in TOOL_FIELDS:
             if data_job and path == "rollout.chat_template_kwargs":
                 continue

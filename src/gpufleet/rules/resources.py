@@ -245,6 +245,13 @@ def data_available(ctx: Context):
         return
     if not ctx.job.env.name and not ctx.job.rollout.tools:  # chat episodes' template: chat.py's rule
         yield from _chat_needs_template(ctx, found.first_chat)
+        if found.first_chat is None and "rollout.chat_template_kwargs" in ctx.r.set_fields("rollout"):
+            yield warn(
+                [ctx.ref("rollout.chat_template_kwargs")],
+                f"rollout.chat_template_kwargs is only read for chat-format prompts and in chat episodes; the "
+                f"prompts of {p.name} are text.",
+                "",
+            )
     if not found.complete:
         yield warn(
             [ctx.ref("data.path")],
