@@ -175,6 +175,33 @@ def test_a_tool_result_past_max_completion_length_is_dropped_and_ends_the_episod
     assert e.counts["tool_calls"].tolist() == [2.0]  # the dropped result's call ran (TRL counts it too)
 
 
+def test_mask_truncated_completions_drops_the_loss_of_episodes_not_ending_in_eos(tmp_path, monkeypatch):
+    """TRL's mask_truncated_completions on its tool loop: an episode whose last token is not EOS (here the
+    second turn, cut by the budget) gets loss mask 0; one ending in EOS keeps its mask (policy tokens 1,
+    the tool result 0)."""
+    import yaml
+
+    from gpufleet.config.load import load_job
+    from gpufleet.rl import trainer
+
+    _files(tmp_path)
+    _scripted(monkeypatch, ["[add a=2,b=3]<eos>", "12345678901234567890"])
+    masks = {}
+    for flag in (False, True):
+        spec = _job(tmp_path, max_completion_length=38).model_dump(exclude_defaults=True)
+        spec |= {"algorithm": {"num_generations": 4, "mask_truncated_completions": flag}}
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec | {"train": {"per_device_batch": 4}}))
+        job = load_job(str(tmp_path / "job.yaml"), [], env={}).job
+        p = trainer.build(job)
+        scored = trainer.generation_step(p, 0, trainer.autocast_for(job, p.device))
+        assert scored.rollout.is_truncated.all()  # 14 + 6 + 18 = 38: the second turn is cut, no EOS
+        masks[flag] = scored.batch.completion_mask
+    assert masks[False].sum() > 0 and masks[True].sum() == 0
+    _scripted(monkeypatch, ["[add a=2,b=3]<eos>", "5<eos>"])
+    scored = trainer.generation_step(p, 0, trainer.autocast_for(job, p.device))
+    assert not scored.rollout.is_truncated.any() and scored.batch.completion_mask.sum() == 4 * (14 + 2)
+
+
 @pytest.mark.parametrize("budget", [40, 41])
 def test_a_tool_result_that_exactly_fills_max_completion_length_is_kept_and_ends_the_episode(
     tmp_path, monkeypatch, budget
@@ -250,7 +277,6 @@ def test_trl_reward_function_gets_trls_arguments_from_the_installed_cli(tmp_path
 @pytest.mark.parametrize(
     ("sets_", "line"),
     [
-        (("algorithm.mask_truncated_completions=true",), "mask_truncated_completions is not implemented"),
         (("rollout.min_completion_length=2",), "min_completion_length is not implemented"),
         (("rollout.max_prompt_length=20",), "the chat template's first prompt is 35 tokens before the data"),
         (("env.name=builtin:keys",), "rollout.tools are offered to the policy in chat episodes only"),

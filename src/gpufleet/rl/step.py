@@ -128,7 +128,8 @@ def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
     job = p.job
     if job.env.name or tools_on_data(job):
         ep, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
-        return _Sampled(ep.rollout, ep.loss_mask, ep.prompts, ep.transcripts, ep.columns, ep, answer)
+        loss_mask = _unless_cut(job, ep.loss_mask, ep.rollout)  # tools on data: TRL's is_truncated
+        return _Sampled(ep.rollout, loss_mask, ep.prompts, ep.transcripts, ep.columns, ep, answer)
     prompt_ids, prompts, columns = _prompts(p, row_pos)
     answer = None
     if p.remote is not None:
@@ -136,13 +137,18 @@ def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
         rollout = answer.rollout.to(p.device)
     else:
         rollout = sample(p, prompt_ids, seeds, job.rollout.max_completion_length)
-    loss_mask = rollout.completion_mask.float()
-    if job.algorithm.mask_truncated_completions:  # DAPO: a cut completion carries no loss
-        loss_mask = loss_mask * (~rollout.is_truncated).float().unsqueeze(1)
+    loss_mask = _unless_cut(job, rollout.completion_mask.float(), rollout)
     completions = p.tokenizer.batch_decode(
         rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
     )
     return _Sampled(rollout, loss_mask, prompts, completions, columns, None, answer)
+
+
+def _unless_cut(job, loss_mask: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """algorithm.mask_truncated_completions (DAPO, TRL's): a cut completion carries no loss."""
+    if not job.algorithm.mask_truncated_completions:
+        return loss_mask
+    return loss_mask * (~rollout.is_truncated).float().unsqueeze(1).to(loss_mask.device)
 
 
 def _layout(p: Parts, gen_index: int) -> tuple[list[int], list[int], list[int]]:

@@ -56,10 +56,7 @@ def tools_on_data_episodes(ctx: Context):
     if not tools_on_data(job):
         return
     what = "rollout.tools on a data set run multi-turn tool episodes"
-    for path, value in (
-        ("rollout.min_completion_length", job.rollout.min_completion_length),
-        ("algorithm.mask_truncated_completions", job.algorithm.mask_truncated_completions),
-    ):
+    for path, value in (("rollout.min_completion_length", job.rollout.min_completion_length),):
         if value:
             yield err(
                 [ctx.ref(path), ctx.ref("rollout.tools")],
