@@ -185,6 +185,7 @@ def test_mask_truncated_completions_drops_the_loss_of_episodes_not_ending_in_eos
     from gpufleet.rl import trainer
 
     _files(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the reward function writes seen.jsonl where it runs
     _scripted(monkeypatch, ["[add a=2,b=3]<eos>", "12345678901234567890"])
     masks = {}
     for flag in (False, True):
