@@ -46,3 +46,46 @@ def test_check_refuses_a_seed_numpy_and_torch_cannot_take(tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "train.seed" in p.stdout and "less than or equal to 4294967295" in p.stdout
     assert "Traceback" not in p.stdout + p.stderr
+
+
+DATA_JOB = """\
+model: {path: builtin:tiny-qwen2}
+data: {path: rows.jsonl}
+reward: {functions: ["my_rewards.py:score"]}
+algorithm: {name: grpo, num_generations: 2}
+rollout: {max_prompt_length: 16, max_completion_length: 4}
+train: {per_device_batch: 4, learning_rate: 0.003, max_steps: 1}
+output: {dir: runs/data}
+"""
+
+
+def _data_job(tmp_path: Path, rows: list[dict], rewards: str) -> Path:
+    import json
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "my_rewards.py").write_text(rewards)
+    return _job(tmp_path, DATA_JOB)
+
+
+def _check_then_train(user: Path) -> None:
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=user)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("train", "job.yaml", "--gpus", "cpu", cwd=user, timeout=240)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+
+
+def test_a_column_named_as_a_logging_keyword_is_not_passed_twice(tmp_path):
+    """A data column named log_extra / log_metric / trainer_state went to the reward function beside the
+    keyword of that name (TypeError: multiple values); the keyword wins, as TRL's trainer_state does."""
+    rows = [
+        {"prompt": f"p{i}", "log_extra": i, "log_metric": i, "trainer_state": i, "answer": "a"}
+        for i in range(4)
+    ]
+    rewards = (
+        "def score(completions, answer, log_extra, log_metric, trainer_state, **kwargs):\n"
+        "    assert callable(log_extra) and callable(log_metric), (log_extra, log_metric)\n"
+        "    assert not isinstance(trainer_state, (int, list)), trainer_state\n"
+        "    assert answer == ['a'] * len(completions)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    _check_then_train(_data_job(tmp_path, rows, rewards))

@@ -85,8 +85,9 @@ def pythonpath(folders: Iterable[str], env: Mapping[str, str]) -> str:
 def reward_columns(names: Iterable[str], prompt_field: str = "prompt") -> list[str]:
     """The data columns (of `names`, in order) a reward function receives by keyword: every one but the
     prompt's, as TRL (which leaves out `prompt`, `completion` and `completion_ids`), and none that would
-    clash with a keyword of `PASSED`. `gpufleet check` and the trainer both bind rewards with these."""
-    skip = {prompt_field, "prompt", "completion", *PASSED}
+    clash with a keyword of `PASSED` or `LOGGING` (TRL's trainer_state replaces such a column too).
+    `gpufleet check` and the trainer both bind rewards with these."""
+    skip = {prompt_field, "prompt", "completion", *PASSED, *LOGGING}
     return [c for c in names if c not in skip]
 
 
