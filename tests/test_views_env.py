@@ -70,6 +70,7 @@ def test_watch_and_report_of_an_agent_run_show_the_environment(tmp_path):
     assert "<h2 id='env-servers'>Environment servers</h2>" in page and "<td>env server 0</td>" in page
 
 
+@pytest.mark.slow
 def test_watch_and_report_of_a_trl_env_run_show_the_tools_not_a_success_rate_never_said(tmp_path):
     """A TRL environment class run (its tools called in chat episodes): watch and report show tools/* beside
     env/*, and leave out env/success_rate, which such a class never says (NaN on every step)."""
