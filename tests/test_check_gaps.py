@@ -89,3 +89,25 @@ def test_a_column_named_as_a_logging_keyword_is_not_passed_twice(tmp_path):
         "    return [0.0] * len(completions)\n"
     )
     _check_then_train(_data_job(tmp_path, rows, rewards))
+
+
+def test_rows_with_different_columns_give_every_column_none_where_missing(tmp_path):
+    """Rows that do not all have the same columns: the batch took its column names from its first row (a
+    KeyError traceback when a later row lacked one, and a column only later rows have was missing for a
+    function whose signature check had accepted it). Now every row has every column of the file, None
+    where it lacks it, as `datasets` loads such a file."""
+    rows = [
+        {"prompt": "a", "x": 1},
+        {"prompt": "b", "y": 2},
+        {"prompt": "c", "x": 3, "y": 4},
+        {"prompt": "d"},
+    ]
+    rewards = (
+        "def score(completions, x, y, **kwargs):\n"
+        "    assert len(x) == len(y) == len(completions), (x, y)\n"
+        "    assert set(x) <= {1, 3, None} and set(y) <= {2, 4, None}, (x, y)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    user = _data_job(tmp_path, rows, rewards)
+    (user / "job.yaml").write_text(DATA_JOB.replace("per_device_batch: 4", "per_device_batch: 8"))
+    _check_then_train(user)

@@ -61,6 +61,8 @@ class PromptSource:
             return self.task.make_example(position, self.seed)
         index = self._index(position)
         row = dict(self.rows[index])
+        if isinstance(self.rows, datafile.Scan):  # every column of the file, None where a row lacks it
+            row = dict.fromkeys(self.rows.columns) | row  # (as datasets loads such a file; TRL reads that)
         prompt = row.get(self.field)
         if not isinstance(prompt, (str, list)) or not prompt:
             raise UserError(
