@@ -111,3 +111,26 @@ def test_rows_with_different_columns_give_every_column_none_where_missing(tmp_pa
     user = _data_job(tmp_path, rows, rewards)
     (user / "job.yaml").write_text(DATA_JOB.replace("per_device_batch: 4", "per_device_batch: 8"))
     _check_then_train(user)
+
+
+QUICK = """\
+model: {path: builtin:tiny-qwen2}
+data: {path: builtin:repeat}
+algorithm: {name: grpo, num_generations: 2}
+rollout: {max_prompt_length: 8, max_completion_length: 4}
+train: {per_device_batch: 4, learning_rate: 0.003, max_steps: 1}
+output: {dir: runs/q, save_every: 1}
+"""
+
+
+def test_resuming_a_full_run_as_lora_is_refused_in_one_line(tmp_path):
+    """The saved job.yaml writes defaults as comments: a breaking field left at its default there
+    (model.use_peft: false) and set now was not seen as a change, and train stopped with peft's
+    traceback (no adapter_config.json in the checkpoint)."""
+    user = _job(tmp_path, QUICK)
+    p = run_user("train", "job.yaml", "--gpus", "cpu", cwd=user, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lora = sets("model.use_peft=true", "train.max_steps=2")
+    p = run_user("train", "job.yaml", "--gpus", "cpu", *lora, cwd=user, timeout=240)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert "cannot resume" in p.stderr and "model.use_peft: False -> True" in p.stderr

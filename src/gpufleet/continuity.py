@@ -38,11 +38,13 @@ def continuity(
     import yaml
 
     old = yaml.safe_load(saved_yaml) or {}
+    kept = _with_defaults(saved_yaml)
     new = job.model_dump(mode="json")
     breaking, harmless = [], []
     for section, fields in new.items():
         for name, value in fields.items():
-            before = (old.get(section) or {}).get(name, value)
+            here = old if name in (old.get(section) or {}) or f"{section}.{name}" not in BREAKING else kept
+            before = (here.get(section) or {}).get(name, value)
             if before != value and not _same_place(f"{section}.{name}", before, value, roots):
                 text = f"{section}.{name}: {before!r} -> {value!r}"
                 (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)
@@ -52,6 +54,21 @@ def continuity(
             f"{layout.get('global_batch')}"
         )
     return breaking, harmless
+
+
+def _with_defaults(saved_yaml: str) -> dict:
+    """The saved job with its default and derived values read too: `gpufleet config` writes them as
+    commented lines (`#   use_peft: false  # default`), which a plain load misses -- a breaking field
+    left at its default there and set here (model.use_peft: true) went unseen, and train stopped with a
+    traceback instead of this refusal."""
+    import re
+
+    import yaml
+
+    try:
+        return yaml.safe_load(re.sub(r"(?m)^(\s*)#   (?=\S)", r"\1", saved_yaml)) or {}
+    except yaml.YAMLError:
+        return {}
 
 
 _PLACES = ("model.path", "data.path", "reward.model", "env.token_file")
