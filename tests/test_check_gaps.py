@@ -134,3 +134,32 @@ def test_resuming_a_full_run_as_lora_is_refused_in_one_line(tmp_path):
     p = run_user("train", "job.yaml", "--gpus", "cpu", *lora, cwd=user, timeout=240)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
     assert "cannot resume" in p.stderr and "model.use_peft: False -> True" in p.stderr
+
+
+def test_check_says_what_train_would_refuse_to_resume(tmp_path):
+    """output.resume's checkpoint (auto: the newest in output.dir) against the job, as train checks it
+    before anything starts -- without importing torch; a path that is no checkpoint is refused too."""
+    import subprocess
+    import sys
+
+    user = _job(tmp_path, QUICK)
+    p = run_user("train", "job.yaml", "--gpus", "cpu", cwd=user, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("model.use_peft=true"), cwd=user)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert (
+        "train would resume runs/q/checkpoints/step-1" in p.stdout
+        and "model.use_peft: False -> True" in p.stdout
+    )
+    assert "model.use_peft = true (flag --set model.use_peft=true)" in p.stdout
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("train.per_device_batch=8"), cwd=user)
+    assert p.returncode == 2 and "global batch (per_device_batch x policy ranks): 4 -> 8" in p.stdout
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("output.resume=job.yaml"), cwd=user)
+    assert p.returncode == 2 and "job.yaml is not a complete checkpoint" in p.stdout, p.stdout
+    code = (
+        "import sys; from gpufleet.cli import main\n"
+        "assert main(['check', 'job.yaml', '--gpus', 'cpu', '--set', 'train.log_every=3']) == 0\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=user, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr

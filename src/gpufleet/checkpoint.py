@@ -25,18 +25,22 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpufleet.ckptindex import (  # noqa: F401  (re-exported: callers import them from here)
+    LATEST,
+    STEP_PREFIX,
+    TrainingState,
+    complete_steps,
+    latest,
+    load_state,
+    resolve_resume,
+)
 from gpufleet.errors import UserError
 from gpufleet.fsfaults import device_of, disk_full
-from gpufleet.paths import user_path
-
-LATEST = "latest"
-STEP_PREFIX = "step-"
 
 
 def _fsync_file(path: Path) -> None:
@@ -69,49 +73,11 @@ def _slow_hook() -> None:
         time.sleep(delay)
 
 
-# ------------------------------------------------------------------------------------------ find
-
-
-def complete_steps(run_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints (renamed into place), oldest first."""
-    root = run_dir / "checkpoints"
-    steps = []
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.is_dir() and d.name.startswith(STEP_PREFIX) and d.name[len(STEP_PREFIX) :].isdigit():
-                if (d / "trainer_state.json").is_file():
-                    steps.append(int(d.name[len(STEP_PREFIX) :]))
-    return sorted(steps)
-
-
-def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint: the `latest` pointer, or a scan if the pointer is missing."""
-    root = run_dir / "checkpoints"
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text(encoding="utf-8").strip()
-        if (root / name / "trainer_state.json").is_file():
-            return root / name
-    steps = complete_steps(run_dir)
-    return root / f"{STEP_PREFIX}{steps[-1]}" if steps else None
-
-
 # ------------------------------------------------------------------------------------------ save
 
 
 REFERENCE_FILE = "reference.safetensors"
 """A synced reference model's weights (algorithm.sync_ref_model)."""
-
-
-@dataclass
-class TrainingState:
-    """What a checkpoint restores besides the weights."""
-
-    step: int
-    scheduler: dict[str, Any]
-    layout: dict[str, Any]
-    controllers: dict[str, Any] = field(default_factory=dict)
-    """Trainer state beyond the optimizer's (e.g. the adaptive entropy controller), by name."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -276,11 +242,6 @@ def load_reference(path: Path) -> dict | None:
     return load_file(f)
 
 
-def load_state(path: Path) -> TrainingState:
-    data = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    return TrainingState(data["step"], data["scheduler"], data["layout"], data.get("controllers", {}))
-
-
 def load_rng(path: Path, rank: int) -> dict | None:
     f = path / f"rng-rank{rank}.pt"
     return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
@@ -289,26 +250,6 @@ def load_rng(path: Path, rank: int) -> dict | None:
 def load_batch(path: Path, rank: int) -> dict | None:
     f = path / f"batch-rank{rank}.pt"
     return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
-
-
-def resolve_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to start from: `auto` newest in run_dir, `never` none, or the given path."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return latest(run_dir)
-    p = user_path(resume)
-    if p.is_dir() and not (p / "trainer_state.json").is_file():
-        inner = latest(p)  # a run directory was given
-        if inner is not None:
-            return inner
-    if not (p / "trainer_state.json").is_file():
-        raise UserError(
-            f"{resume} is not a complete checkpoint (no trainer_state.json).",
-            field="output.resume",
-            fix="give a checkpoints/step-N folder, or --set output.resume=auto",
-        )
-    return p
 
 
 # ---------------------------------------------------------------------------------------- export

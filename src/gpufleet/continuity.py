@@ -56,6 +56,15 @@ def continuity(
     return breaking, harmless
 
 
+def against(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """`continuity` between the job saved in checkpoint `ckpt` and this one (torch-free: `gpufleet check`
+    and the trainer both ask it)."""
+    from gpufleet.ckptindex import load_state
+
+    saved_yaml = (ckpt / "job.yaml").read_text(encoding="utf-8")
+    return continuity(saved_yaml, load_state(ckpt).layout, job, {"global_batch": global_batch}, roots)
+
+
 def _with_defaults(saved_yaml: str) -> dict:
     """The saved job with its default and derived values read too: `gpufleet config` writes them as
     commented lines (`#   use_peft: false  # default`), which a plain load misses -- a breaking field

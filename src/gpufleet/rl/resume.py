@@ -98,10 +98,7 @@ def _reference_state(p) -> dict | None:
 def check(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> list[str]:
     """Refuse a checkpoint that this job cannot continue; return the harmless changes to report.
     ``roots``: where the job's modules are found (usercode.roots), to tell a module from its file."""
-    state = checkpoint.load_state(ckpt)
-    saved_yaml = (ckpt / "job.yaml").read_text(encoding="utf-8")
-    layout = {"global_batch": global_batch}
-    breaking, harmless = continuity.continuity(saved_yaml, state.layout, job, layout, roots)
+    breaking, harmless = continuity.against(ckpt, job, global_batch, roots)
     if breaking:
         raise UserError(
             f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpufleet import datafile, datapath, usercode
+from gpufleet.config.schema import field_paths
 from gpufleet.errors import UserError
 from gpufleet.models import info as modelinfo
 from gpufleet.models.info import looks_like_hub_id
@@ -306,4 +307,31 @@ def output_dir(ctx: Context):
             [ctx.ref("output.resume")],
             f"checkpoint {o.resume} does not exist.",
             "--set output.resume=auto (newest checkpoint in output.dir) or the path of a checkpoints/step-N folder",
+        )
+
+
+@rule
+def resume_continues(ctx: Context):
+    """The checkpoint train would start from (output.resume): one it cannot use, or a job changed in a way
+    that breaks its run, is refused by train before anything starts (rl/resume.py); check says it first."""
+    from gpufleet import ckptindex, continuity
+
+    o = ctx.job.output
+    try:
+        ckpt = ckptindex.resolve_resume(user_path(o.dir), o.resume)
+    except UserError as e:
+        if user_path(o.resume).exists():  # a missing path: output_dir's error
+            yield err([ctx.ref("output.resume")], e.message, e.fix)
+        return
+    if ckpt is None:
+        return
+    gb = ctx.job.train.per_device_batch * ctx.topo.policy_ranks
+    breaking, _ = continuity.against(ckpt, ctx.job, gb, usercode.roots(ctx.r.job_path))
+    if breaking:
+        named = [b.split(":")[0] for b in breaking if b.split(":")[0] in field_paths()]
+        named += ["train.per_device_batch"] if any(b.startswith("global batch") for b in breaking) else []
+        yield err(
+            [ctx.ref("output.resume"), ctx.ref("output.dir"), *map(ctx.ref, named)],
+            f"train would resume {ckpt}, and this job changed in a way that breaks its run ({'; '.join(breaking)}).",
+            f"undo the change, or start a new run: --set output.dir={o.dir.rstrip('/')}-2",
         )
