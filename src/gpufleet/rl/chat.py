@@ -153,9 +153,64 @@ def template_problem(
     missing = [s for s in ("toolnamea", "argkeyb", "argvalc", "resultd") if tools and s not in text]
     if missing:
         return f"it drops tool calls or tool results (renders no {', '.join(missing)})"
-    if tools and getattr(tokenizer, "response_template", None) is None:
-        return "the tokenizer has no response_template, so tool calls cannot be parsed (parse_response)"
-    return None
+    return NO_PARSER if tools and getattr(tokenizer, "response_template", None) is None else None
+
+
+NO_PARSER = (  # template_problem's reason for tools without a response template (its fix: known_templates)
+    "the tokenizer has no response_template, so tool calls cannot be parsed (parse_response); TRL 1.16 has one "
+    "only for the chat templates it knows"
+)
+
+
+def adopt_known(tokenizer, tools: Sequence[dict] = (), kwargs: dict[str, Any] | None = None):
+    """TRL 1.16's GRPOTrainer.__init__ for a chat template TRL knows (models/known_templates.py): with tools,
+    a tokenizer without a response template gets TRL's (`add_response_schema`); the episodes are rendered
+    with TRL's training template (a `chat_template` in the returned kwargs) where TRL would (tools, and the
+    template not prefix-preserving by TRL's check) or where the original cannot run chat episodes and the
+    training template can. Returns (the kwargs for ChatFormat, a note for `gpufleet check`: the family; None
+    for a template TRL does not know, or a `chat_template` the user set). Mutates the tokenizer as TRL does.
+    """
+    from gpufleet.models import known_templates
+
+    kwargs = dict(kwargs or {})
+    fam = known_templates.family(tokenizer.chat_template)
+    if fam is None or "chat_template" in kwargs:
+        return kwargs, None
+    attached = tools and known_templates.attach_response_template(tokenizer) is not None
+    training = known_templates.training_template(fam)
+    swap = training is not None and (
+        (bool(tools) and not _trl_prefix_preserving(tokenizer))
+        or (
+            template_problem(tokenizer, tools, kwargs) is not None
+            and template_problem(tokenizer, tools, {**kwargs, "chat_template": training}) is None
+        )
+    )
+    done = ["TRL's response template attached"] if attached else []
+    if swap:
+        kwargs["chat_template"] = training
+        done.append(f"episodes rendered with TRL's prefix-preserving {fam.training}")
+    return kwargs, f"chat template: {fam.name} ({'; '.join(done) or 'known to TRL, used as it is'})"
+
+
+def _trl_prefix_preserving(tok) -> bool:
+    """TRL's `is_chat_template_prefix_preserving`: a dummy tool call's rendering is a prefix of the
+    rendering with its tool result and the generation prompt (arguments as a JSON string where the
+    template refuses a dict, as TRL retries)."""
+    for arguments in ({}, "{}"):
+        call = [{"type": "function", "function": {"name": "dummy", "arguments": arguments}}]
+        head = [DUMMY_USER, {"role": "assistant", "content": "", "tool_calls": call}]
+        try:
+            short = tok.apply_chat_template(head, tokenize=True, return_dict=False)
+            long = tok.apply_chat_template(
+                [*head, {"role": "tool", "name": "dummy", "content": "dummy"}],
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=True,
+            )
+        except TypeError:
+            continue
+        return list(long[: len(short)]) == list(short)
+    return False
 
 
 def _trim(ids: list[int], eos: int | None) -> list[int]:

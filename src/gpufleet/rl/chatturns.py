@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass
 
 from gpufleet.errors import UserError
+from gpufleet.models import known_templates
 from gpufleet.rl import tooldata, trlenv
-from gpufleet.rl.chat import ChatFormat, template_problem
+from gpufleet.rl.chat import NO_PARSER, ChatFormat, adopt_known, template_problem
 from gpufleet.rl.tools import Result, Tool, load_tools, run_call
 
 
@@ -46,12 +47,15 @@ def chat_run(job, tokenizer) -> ChatRun:
     tools = load_tools(ro.tools or [])
     trl = trlenv.trl_run(job)
     offered = trl.offered if trl is not None else [t.schema for t in tools]
-    fmt = ChatFormat(tokenizer, offered, dict(ro.chat_template_kwargs))
+    # a chat template TRL knows: its response template, its training template (as check: rules/chat.py)
+    kwargs, _ = adopt_known(tokenizer, offered, dict(ro.chat_template_kwargs))
+    fmt = ChatFormat(tokenizer, offered, kwargs)
     why = template_problem(tokenizer, fmt.tools, fmt.kwargs)
     data = tooldata.tools_on_data(job)
     if why is not None:
         where = "rollout.tools" if data else "env.format"
-        raise UserError(f"{where}: {job.model.path}'s chat template: {why}.", field=where, fix=FIX)
+        fix = known_templates.no_parser_fix() if why == NO_PARSER else FIX
+        raise UserError(f"{where}: {job.model.path}'s chat template: {why}.", field=where, fix=fix)
     calls = sys.maxsize if ro.max_tool_calling_iterations is None else ro.max_tool_calling_iterations
     rows = tooldata.rows(job) if data else None
     return ChatRun(fmt, {t.name: t for t in tools}, calls, ro.tool_timeout, trl=trl, data=rows)

@@ -71,7 +71,8 @@ def chat_template_fits(ctx: Context):
     job = ctx.job
     if not _chat(job):
         return
-    from gpufleet.rl.chat import ChatFormat, template_problem
+    from gpufleet.models.known_templates import no_parser_fix
+    from gpufleet.rl.chat import NO_PARSER, ChatFormat, adopt_known, template_problem
     from gpufleet.rl.chatturns import FIX
     from gpufleet.rl.tools import load_tools
 
@@ -91,7 +92,11 @@ def chat_template_fits(ctx: Context):
         schemas = trlenv.TrlRun(trlenv.schemas(job.env.name, envs)).offered if envs else schemas
     except UserError:
         return
-    why = template_problem(tok, schemas, dict(job.rollout.chat_template_kwargs))
+    # a chat template TRL knows: its response template, its training template (as train: rl/chatturns.py)
+    kwargs, note = adopt_known(tok, schemas, dict(job.rollout.chat_template_kwargs))
+    if note:
+        ctx.notes.append(note)
+    why = template_problem(tok, schemas, kwargs)
     data = tools_on_data(job)
     if why is not None:
         yield err(
@@ -99,10 +104,10 @@ def chat_template_fits(ctx: Context):
             + ([ctx.ref("rollout.tools")] if tools and not data else []),
             f"{'rollout.tools' if data else 'env.format chat'}: {job.model.path}'s chat template cannot lay "
             f"out {'tool calls' if data else 'episodes'}: {why}.",
-            FIX_DATA if data else FIX,
+            no_parser_fix() if why == NO_PARSER else FIX_DATA if data else FIX,
         )
         return
-    frame = len(ChatFormat(tok, schemas, dict(job.rollout.chat_template_kwargs)).first_prompt(""))
+    frame = len(ChatFormat(tok, schemas, kwargs).first_prompt(""))
     if frame >= job.rollout.max_prompt_length:
         yield err(
             [ctx.ref("rollout.max_prompt_length")]

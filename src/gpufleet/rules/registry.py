@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpufleet.config.load import Resolved
 from gpufleet.config.problems import FieldRef, Problem
@@ -26,6 +26,7 @@ class Context:
     topo: Topology
     model: ModelInfo | None
     env: Mapping[str, str]
+    notes: list[str] = field(default_factory=list)  # lines `gpufleet check` prints under its header
 
     @property
     def job(self):

@@ -45,9 +45,9 @@ def check(job: str, sets: Sequence[str], gpus: str, env: Mapping[str, str], npro
         f"{plural(ctx.topo.policy_ranks, 'policy rank')} x {plural(t.steps_per_generation, 'step')}; "
         f"{g} generations per prompt; micro-batch {t.micro_batch} ({plural(accum, 'accumulation step')})"
     )
-    note = batch_note(r, ctx.topo.policy_ranks)
-    if note:
-        print(f"  {note}")
+    for note in [batch_note(r, ctx.topo.policy_ranks), *ctx.notes]:
+        if note:
+            print(f"  {note}")
     if problems:
         print(render_problems(problems))
     print(summary(problems))
