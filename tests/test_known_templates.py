@@ -7,7 +7,6 @@ The expected messages are TRL 1.16's: bench/trl_templates_equal.py compares ever
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 
 import pytest
@@ -105,26 +104,29 @@ def multiply(a: int, b: int) -> str:
 REWARDS = "def reward_func(completions, **kwargs):\n    return [0.0 for _ in completions]\n"
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    from gpufleet.models.builtin import materialize
+def _model_folder(folder, key: str, template_edit: str = ""):
+    """A model folder as a user has it: a tiny Qwen2 (config and random weights) with a tokenizer whose chat
+    template is `key`'s original (with `template_edit` appended: a template TRL does not know), both saved
+    with save_pretrained."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return materialize("tiny-qwen2", tmp_path_factory.mktemp("cache"))
-
-
-def _model_folder(base, folder, key: str, template_edit: str = ""):
-    """A model folder as a user has it: a tiny Qwen2 config and weights, and a tokenizer whose chat template is
-    `key`'s original (with `template_edit` appended: a template TRL does not know), saved with save_pretrained."""
-    shutil.copytree(
-        base, folder, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*", "special_tokens*")
-    )
     tok = fixture_tokenizer(key)
     tok.chat_template += template_edit
     tok.save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["vocab_size"] = max(config["vocab_size"], len(tok))
-    config["max_position_embeddings"] = 2048  # the byte-level prompt with the tools is ~750 tokens
-    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,  # the byte-level prompt with the tools is ~750 tokens
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
 
 
@@ -151,11 +153,11 @@ def _tools_job(folder) -> None:
 
 
 @pytest.mark.parametrize("key", ["qwen2_5", "qwen3"])
-def test_check_passes_a_tools_job_on_a_known_model(tmp_path, tiny_qwen2, key):
+def test_check_passes_a_tools_job_on_a_known_model(tmp_path, key):
     """From the installed CLI in the user's folder, on a model folder with the hub's template: it passes
     (it refused before: no response_template), naming the family and the training template used."""
     _tools_job(tmp_path)
-    folder = _model_folder(tiny_qwen2, tmp_path / "model", key)
+    folder = _model_folder(tmp_path / "model", key)
     p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(f"model.path={folder}"), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     training = (
@@ -164,11 +166,11 @@ def test_check_passes_a_tools_job_on_a_known_model(tmp_path, tiny_qwen2, key):
     assert f"  chat template: {NAMES[key]} (TRL's response template attached{training})\n" in p.stdout
 
 
-def test_check_refuses_a_tools_job_on_a_template_trl_does_not_know(tmp_path, tiny_qwen2):
+def test_check_refuses_a_tools_job_on_a_template_trl_does_not_know(tmp_path):
     """Qwen2.5's template changed by one character: no response template, refused as before, and the fix
     names the families gpufleet knows."""
     _tools_job(tmp_path)
-    folder = _model_folder(tiny_qwen2, tmp_path / "model", "qwen2_5", "\n")
+    folder = _model_folder(tmp_path / "model", "qwen2_5", "\n")
     p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(f"model.path={folder}"), cwd=tmp_path)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "chat template:" not in p.stdout.split("error:")[0]
@@ -177,7 +179,7 @@ def test_check_refuses_a_tools_job_on_a_template_trl_does_not_know(tmp_path, tin
     assert "Traceback" not in p.stdout + p.stderr
 
 
-def test_train_sees_what_check_sees(tmp_path, tiny_qwen2):
+def test_train_sees_what_check_sees(tmp_path):
     """The run's chat layout (rl/chatturns.chat_run, on the tokenizer load_tokenizer gives) attaches the same
     response template and renders with the same training template as check."""
     from gpufleet.config.load import load_job
@@ -185,7 +187,7 @@ def test_train_sees_what_check_sees(tmp_path, tiny_qwen2):
     from gpufleet.rl.chatturns import chat_run
 
     _tools_job(tmp_path)
-    folder = _model_folder(tiny_qwen2, tmp_path / "model", "qwen3")
+    folder = _model_folder(tmp_path / "model", "qwen3")
     job = load_job(str(tmp_path / "job.yaml"), [f"model.path={folder}"], env={}).job
     tok = load_tokenizer(str(folder))
     assert getattr(tok, "response_template", None) is None
@@ -195,3 +197,14 @@ def test_train_sees_what_check_sees(tmp_path, tiny_qwen2):
     assert run.fmt.parse(ids, run.fmt.first_prompt("2*3="))["tool_calls"] == [
         {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 75001}}}
     ]
+
+
+def test_train_runs_a_tools_job_on_a_qwen3_model_folder(tmp_path):
+    """From the installed CLI: a Qwen3 model folder (the hub's template, no response_template) with tools
+    trains a step; before, train refused it (chat_run: the template is not prefix-preserving)."""
+    _tools_job(tmp_path)
+    folder = _model_folder(tmp_path / "model", "qwen3")
+    argv = ["train", "job.yaml", *sets(f"model.path={folder}", "rollout.max_completion_length=16")]
+    p = run_user(*argv, cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "run").is_dir() and "Traceback" not in p.stdout + p.stderr
