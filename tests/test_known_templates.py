@@ -208,3 +208,14 @@ def test_train_runs_a_tools_job_on_a_qwen3_model_folder(tmp_path):
     p = run_user(*argv, cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert (tmp_path / "run").is_dir() and "Traceback" not in p.stdout + p.stderr
+
+
+def test_the_shipped_data_is_whole():
+    """Every family's response template and training template is in the package (pyproject's package data),
+    with TRL's notice; Qwen2.5, Qwen3 and Llama-3.1 (the fixtures) are among them."""
+    data = json.loads((known_templates.DATA / "known.json").read_text())
+    assert data["trl"] == "1.16.0" and "Apache License" in (known_templates.DATA / "NOTICE").read_text()
+    for fam in data["families"]:
+        assert fam["response"] is None or fam["response"] in data["response_templates"], fam
+        assert fam["training"] is None or (known_templates.DATA / fam["training"]).is_file(), fam
+    assert {"Qwen2.5", "Qwen3", "Llama-3.1", "GLM-4-MoE", "gpt-oss"} <= set(known_templates.tool_families())
