@@ -214,7 +214,10 @@ def test_the_shipped_data_is_whole():
     """Every family's response template and training template is in the package (pyproject's package data),
     with TRL's notice; Qwen2.5, Qwen3 and Llama-3.1 (the fixtures) are among them."""
     data = json.loads((known_templates.DATA / "known.json").read_text())
-    assert data["trl"] == "1.16.0" and "Apache License" in (known_templates.DATA / "NOTICE").read_text()
+    assert (
+        data["trl"] == "1.16.0"
+        and "Apache\nLicense, Version 2.0" in (known_templates.DATA / "NOTICE").read_text()
+    )
     for fam in data["families"]:
         assert fam["response"] is None or fam["response"] in data["response_templates"], fam
         assert fam["training"] is None or (known_templates.DATA / fam["training"]).is_file(), fam
