@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from gpufleet.env.trl import TrlEnv, tool_schemas
-from gpufleet.env.vault import KEYS, Vault, answers_a_key, calls_k, key_found
+from gpufleet.env.vault import KEYS, SAID, Vault, answers_a_key, calls_k, key_found
 
 
 def _call(name: str) -> dict:
@@ -24,7 +26,7 @@ def test_the_key_is_the_instances_and_only_its_tool_says_it():
         again.reset(seed=seed)
         assert again.env.key == env.env.key  # a group's episodes share it; a replay finds it again
         keys.add(env.env.key)
-        assert env.env.k() == env.env.key in KEYS
+        assert env.env.key in KEYS and env.env.k() == env.env.key * SAID  # said 8 times: T:qqqqqqqq
     assert len(keys) >= 8
     random.seed(0)
 
@@ -56,3 +58,29 @@ def test_the_example_runs_from_the_installed_cli(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for key in ("rewards/key_found/mean", "rewards/calls_k/mean", "tools/call_frequency"):
         assert key in rows[-1], key
+
+
+@pytest.mark.slow
+def test_the_example_learns_to_copy_the_tools_answer(tmp_path):
+    """The example's first 300 steps (seed 0): the right key goes from ~0 to well above the 1 in 10 that
+    one letter written every time earns -- only reading the tool's answer does that (the full curve to
+    >= 0.8, 3 seeds, is measured in docs/agents-with-tools.md)."""
+    import json
+    from pathlib import Path
+
+    from helpers import run_user, sets
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent-vault-trl.yaml"
+    p = run_user(
+        "train",
+        str(example),
+        *sets("output.dir=run", "train.max_steps=300"),
+        cwd=tmp_path,
+        env_extra={"OMP_NUM_THREADS": "1"},
+        timeout=1800,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    found = [r["rewards/key_found/mean"] for r in rows]
+    assert sum(found[:25]) / 25 < 0.05
+    assert sum(found[-25:]) / 25 >= 0.2, found[-25:]

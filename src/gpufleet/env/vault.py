@@ -132,11 +132,17 @@ def reads_result(prompts: list, completions: list, **_: Any) -> list[float]:
     return out
 
 
+SAID = 8
+"""How many times `Vault.k` says the key (`T:qqqqqqqq`): for a random-init character model, a letter that
+fills a third of the context is a copy learned in minutes; said once, 3 seeds did not learn it with the
+entropy bonus and the KL on, and 1 of 3 did without them (docs/agents-with-tools.md)."""
+
+
 class Vault:
     """The vault as a TRL environment class (`env.name: gpufleet.env.vault:Vault`, TRL's
     environment_factory contract): each episode's key is one of KEYS (drawn with the episode's seed, so
     the G episodes of a group share it), the prompt says nothing about it, and the tool `k()` -- no
-    argument: the instance knows its vault -- returns it. `key_found` scores the answer."""
+    argument: the instance knows its vault -- says it (SAID times). `key_found` scores the answer."""
 
     def reset(self, **kwargs) -> str | None:
         self.key = random.choice(KEYS)
@@ -144,7 +150,7 @@ class Vault:
 
     def k(self) -> str:
         """The key of this vault."""
-        return self.key
+        return self.key * SAID
 
 
 def key_found(prompts: list, completions: list, environments: list, **_: Any) -> list[float]:
