@@ -51,6 +51,20 @@ def never_sampled(
     return () if pad_token_id is None or pad_token_id in eos else (int(pad_token_id),)
 
 
+def mark_generation_config(tokenizer, model, min_new_tokens: int = 0) -> tuple[int, ...]:
+    """The tokens ``model`` never samples (``never_sampled``: the tokenizer's pad, against every EOS the
+    tokenizer, config and generation config name), written into its generation config (``suppress_tokens``,
+    and ``min_new_tokens``: rollout.min_completion_length), so a saved model's ``generate`` samples as
+    training did."""
+    generation = getattr(model, "generation_config", None)
+    eos = [tokenizer.eos_token_id, model.config.eos_token_id, getattr(generation, "eos_token_id", None)]
+    tokens = never_sampled(tokenizer.pad_token_id, eos)
+    if generation is not None:
+        generation.suppress_tokens = list(tokens) or None
+        generation.min_new_tokens = min_new_tokens or None
+    return tokens
+
+
 def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """``logits`` (..., V) with the ``token_ids`` columns at the dtype's lowest finite value: after any
     softmax their probability is exactly 0, while ``p * logit`` stays 0 (not NaN), so the entropy stays

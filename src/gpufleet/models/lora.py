@@ -111,7 +111,7 @@ def merged(adapter: Path, base: str, to: Path, min_new_tokens: int = 0) -> None:
     from peft import PeftModel
 
     from gpufleet.checkpoint import readable_by_all
-    from gpufleet.engine.sampling import never_sampled
+    from gpufleet.engine.sampling import mark_generation_config
     from gpufleet.models.load import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(base)
@@ -120,10 +120,7 @@ def merged(adapter: Path, base: str, to: Path, min_new_tokens: int = 0) -> None:
         _untie_head(model)
     model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     tokenizer = load_tokenizer(str(adapter) if (adapter / "tokenizer_config.json").is_file() else base)
-    gen = model.generation_config  # as rl/parts.py's _suppress_tokens sets the policy's in training
-    eos = [tokenizer.eos_token_id, model.config.eos_token_id, gen.eos_token_id]
-    gen.suppress_tokens = list(never_sampled(tokenizer.pad_token_id, eos)) or None
-    gen.min_new_tokens = min_new_tokens or None
+    mark_generation_config(tokenizer, model, min_new_tokens)  # as the policy's in training (rl/parts.py)
     model.save_pretrained(to, safe_serialization=True)
     tokenizer.save_pretrained(to)
     readable_by_all(to)

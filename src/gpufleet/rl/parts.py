@@ -12,7 +12,7 @@ from gpufleet.config.schema import Job
 from gpufleet.dist import Runtime, all_true
 from gpufleet.engine.compiled import compile_layers, eager
 from gpufleet.engine.rollout import Rollout, Sampling
-from gpufleet.engine.sampling import never_sampled
+from gpufleet.engine.sampling import mark_generation_config
 from gpufleet.rl import rollouts, trlenv
 from gpufleet.rl.data import PromptSource
 from gpufleet.rl.entropy import EntropyControl
@@ -126,7 +126,7 @@ def build(
         passes=trlenv.passes(job),  # TRL's environments (in process)
     )
     loss = Loss.from_job(job)
-    suppress_tokens = _suppress_tokens(tokenizer, policy, job.rollout.min_completion_length)
+    suppress_tokens = mark_generation_config(tokenizer, policy, job.rollout.min_completion_length)
     parts = Parts(
         job,
         rt,
@@ -200,19 +200,6 @@ def sharded(job: Job, rt: Runtime) -> bool:
     """FSDP2 over several policy ranks: the policy is sharded, and so are a colocated reference and reward
     model."""
     return rt.distributed and rt.policy_size > 1 and job.placement.strategy == "fsdp"
-
-
-def _suppress_tokens(tokenizer, policy: torch.nn.Module, min_new_tokens: int = 0) -> tuple[int, ...]:
-    """The tokens never sampled (see engine/sampling.py), from the tokenizer's pad and every EOS the tokenizer,
-    config and generation config name. Written into the policy's generation config (`suppress_tokens`),
-    so a saved checkpoint's `generate` leaves them out as training did."""
-    generation = getattr(policy, "generation_config", None)
-    eos = [tokenizer.eos_token_id, policy.config.eos_token_id, getattr(generation, "eos_token_id", None)]
-    tokens = never_sampled(tokenizer.pad_token_id, eos)
-    if generation is not None:
-        generation.suppress_tokens = list(tokens) or None
-        generation.min_new_tokens = min_new_tokens or None  # rollout.min_completion_length, as trained
-    return tokens
 
 
 def sample(p: Parts, prompt_ids: list[list[int]], seeds: list[int], max_new_tokens: int) -> Rollout:
