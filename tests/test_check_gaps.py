@@ -163,3 +163,36 @@ def test_check_says_what_train_would_refuse_to_resume(tmp_path):
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=user, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_check_refuses_weights_train_could_not_read(tmp_path):
+    """A model folder whose model.safetensors was cut short (a copy interrupted), or whose index names a
+    shard that is not there: check passed it, and train's from_pretrained stopped with safetensors'
+    traceback. An intact copy still passes."""
+    import shutil
+
+    from gpufleet.models.builtin import materialize
+
+    user = _job(tmp_path, QUICK)
+    good = user / "good"
+    shutil.copytree(materialize("tiny-qwen2"), good)
+    for name, cut in (("short", 100), ("header", None)):
+        shutil.copytree(good, user / name)
+        data = (good / "model.safetensors").read_bytes()
+        (user / name / "model.safetensors").write_bytes(data[:-cut] if cut else data[:100])
+    sharded = user / "sharded"
+    shutil.copytree(good, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = (
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    )
+    (sharded / "model.safetensors.index.json").write_text(index)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("model.path=./good"), cwd=user)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for name, said in (
+        ("short", "its tensors need"),
+        ("header", "a header of"),
+        ("sharded", "names model-00002-of-00002.safetensors, which is not in"),
+    ):
+        p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(f"model.path=./{name}"), cwd=user)
+        assert p.returncode == 2 and said in p.stdout and "error: model.path" in p.stdout, (name, p.stdout)

@@ -55,7 +55,10 @@ def _model_source(ctx: Context, field: str, path: str):
         problems = modelinfo.folder_problems(local)
         for why, fix in problems:
             yield err([ctx.ref(field)], why, fix)
-        note = None if problems else modelinfo.file_round_trip_note(local)
+        broken = None if problems else _broken_weights(local)
+        if broken:
+            yield err([ctx.ref(field)], *broken)
+        note = None if problems or broken else modelinfo.file_round_trip_note(local)
         if note:
             yield warn(
                 [ctx.ref(field)],
@@ -99,6 +102,41 @@ def _model_source(ctx: Context, field: str, path: str):
             "downloads its weights first, which needs network access.",
             f"download it now (hf download {path}), or point {field} at a local folder",
         )
+
+
+def _broken_weights(folder: Path) -> tuple[str, str] | None:
+    """(why, fix) for weights train's from_pretrained cannot read: a shard the index names that is missing,
+    or a .safetensors file whose header is unreadable or whose tensors run past its end (a copy cut short;
+    safetensors' "invalid header length" after check had passed). Reads the headers only."""
+    import json
+    import struct
+
+    index, names = folder / "model.safetensors.index.json", {"model.safetensors"}
+    if not (folder / "model.safetensors").is_file():  # transformers reads it first, else the index's shards
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # no index (other weight files), or not ours to judge
+    missing = sorted(n for n in names if not (folder / n).is_file())
+    if missing:
+        return (f"{index} names {missing[0]}, which is not in {folder}.", "copy every shard the index names")
+    for f in sorted(folder / n for n in names):
+        try:
+            size = f.stat().st_size
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8).ljust(8, b"\xff"))
+                if 8 + n > size:
+                    raise ValueError(f"a header of {n} bytes in {size}")
+                meta = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+            if 8 + n + end > size:
+                raise ValueError(f"its tensors need {8 + n + end} bytes, the file has {size}")
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            return (
+                f"{f} is not a readable safetensors file ({e}): a copy cut short, or another format.",
+                "copy the file again, or save the model with save_pretrained",
+            )
+    return None
 
 
 @rule
