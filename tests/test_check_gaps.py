@@ -196,3 +196,14 @@ def test_check_refuses_weights_train_could_not_read(tmp_path):
     ):
         p = run_user("check", "job.yaml", "--gpus", "cpu", *sets(f"model.path=./{name}"), cwd=user)
         assert p.returncode == 2 and said in p.stdout and "error: model.path" in p.stdout, (name, p.stdout)
+
+
+def test_check_refuses_a_built_in_reward_an_env_job_cannot_feed(tmp_path):
+    """A task's built-in reward in an env job: its episodes bring no data columns, so the reward's column
+    (repeat/letters reads `target`) is missing; check passed it (the default data.path is that task's)
+    and train stopped at the first reward call."""
+    user = _job(tmp_path, KEYS)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *sets("reward.functions=[repeat/letters]"), cwd=user)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "built-in reward 'repeat/letters' cannot score this env job's episodes" in p.stdout
+    assert "env.name = builtin:keys" in p.stdout

@@ -155,7 +155,11 @@ def rewards_resolvable(ctx: Context):
         )
     known = tasks.reward_names()
     # a user's function, or a built-in one given other data than its task's: bound to the data's columns
-    foreign = [n for n in names if ":" in n or (n in known and data.path != f"builtin:{n.split('/')[0]}")]
+    foreign = [
+        n
+        for n in names
+        if ":" in n or (n in known and (env_job or data.path != f"builtin:{n.split('/')[0]}"))
+    ]
     columns = ([] if env_job and not _trl_data(ctx) else _reward_columns(ctx)) if foreign else None
     for name in names:
         if ":" in name:
@@ -167,8 +171,8 @@ def rewards_resolvable(ctx: Context):
             except usercode.RewardImportError as e:
                 yield err([ctx.ref("reward.functions")], e.why, e.fix)
         elif name in known:
-            if name in foreign and columns is not None and not env_job:
-                yield from _builtin_on_other_data(ctx, name, columns)
+            if name in foreign and columns is not None:
+                yield from _builtin_on_other_data(ctx, name, columns, env_job)
         else:
             import difflib
 
@@ -194,9 +198,10 @@ def rewards_resolvable(ctx: Context):
         )
 
 
-def _builtin_on_other_data(ctx: Context, name: str, columns: list[str]):
-    """A built-in reward (``task/fn``) on data that is not its task's: called once on one empty sample
-    with the data's columns, it must find the columns it reads (tasks.base.column)."""
+def _builtin_on_other_data(ctx: Context, name: str, columns: list[str], env_job: bool = False):
+    """A built-in reward (``task/fn``) on data that is not its task's, or in an env job (whose episodes
+    bring no data columns but a TRL environment's data set's): called once on one empty sample with those
+    columns, it must find the columns it reads (tasks.base.column)."""
     from gpufleet import tasks
     from gpufleet.tasks.base import MissingColumn
 
@@ -204,6 +209,14 @@ def _builtin_on_other_data(ctx: Context, name: str, columns: list[str]):
     try:
         usercode.call_reward(tasks.builtin_reward(name), [""], [""], [[]], {c: [""] for c in columns})
     except MissingColumn as e:
+        if env_job:
+            yield err(
+                [ctx.ref("reward.functions"), ctx.ref("env.name")],
+                f"built-in reward {name!r} cannot score this env job's episodes: {e}",
+                "a reward function of your own (module:function, scored on the transcript), or no "
+                "reward.functions: the environment's reward alone (env.reward_weight)",
+            )
+            return
         yield err(
             [ctx.ref("reward.functions"), ctx.ref("data.path")],
             f"built-in reward {name!r} cannot score this data: {e}",
