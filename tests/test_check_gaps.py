@@ -207,3 +207,37 @@ def test_check_refuses_a_built_in_reward_an_env_job_cannot_feed(tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "built-in reward 'repeat/letters' cannot score this env job's episodes" in p.stdout
     assert "env.name = builtin:keys" in p.stdout
+
+
+STRICT_TEMPLATE = (
+    "{%- for m in messages %}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}{{ m.role[0] | upper + ':' + m.content + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ 'A:' }}{%- endif %}"
+)
+
+
+def test_check_renders_each_chat_row_as_train_will(tmp_path):
+    """Chat-format rows go through the model's chat template: a row it refuses (here a template that wants
+    user/assistant turns and gets two user messages) passed check, and train stopped at that row's batch."""
+    import json
+    import shutil
+
+    from gpufleet.models.builtin import materialize
+
+    user = _job(tmp_path, DATA_JOB.replace("builtin:tiny-qwen2", "./strict"))
+    shutil.copytree(materialize("tiny-qwen2"), user / "strict")
+    (user / "strict" / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    (user / "my_rewards.py").write_text(
+        "def score(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    fine = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    for rows, code in (
+        (fine, 0),
+        (fine + [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]], 2),
+    ):
+        (user / "rows.jsonl").write_text("".join(json.dumps({"prompt": r}) + "\n" for r in rows))
+        p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=user)
+        assert p.returncode == code, p.stdout + p.stderr
+    assert "cannot render row 4 of " in p.stdout
+    assert "rows.jsonl: TemplateError: Conversation roles must alternate" in p.stdout
