@@ -79,3 +79,20 @@ def test_entropy_options_do_not_depend_on_micro_batch(tmp_path):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
     assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-6)
     assert metrics[0]["loss"] < metrics[0]["policy_loss"]  # the bonus is subtracted
+
+
+def test_check_refuses_adaptive_bounds_that_cross(tmp_path):
+    from helpers import run_user, sets
+
+    (tmp_path / "job.yaml").write_text("model: {path: builtin:tiny-qwen2}\n")
+    bad = sets(
+        "algorithm.use_adaptive_entropy=true",
+        "algorithm.entropy_coef_min=0.5",
+        "algorithm.entropy_coef_max=0.1",
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *bad, cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "entropy_coef_min 0.5 > entropy_coef_max 0.1" in p.stdout
+    assert "fix: --set algorithm.entropy_coef_max=0.5" in p.stdout
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *bad[:4], cwd=tmp_path)  # min 0.5 <= max 1.0
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -121,3 +121,16 @@ def router_aux_loss(ctx: Context):
         yield err(
             [ctx.ref("algorithm.router_aux_loss_coef"), ctx.ref("model.path")], f"{e}.", "remove it (or 0)"
         )
+
+
+@rule
+def adaptive_entropy_bounds(ctx: Context):
+    """The adaptive entropy bonus moves its coefficient within [entropy_coef_min, entropy_coef_max]."""
+    a = ctx.job.algorithm
+    if a.use_adaptive_entropy and a.entropy_coef_min > a.entropy_coef_max:
+        yield err(
+            [ctx.ref("algorithm.entropy_coef_min"), ctx.ref("algorithm.entropy_coef_max")],
+            f"entropy_coef_min {a.entropy_coef_min:g} > entropy_coef_max {a.entropy_coef_max:g}: the adaptive "
+            "entropy bonus has no range to move its coefficient in.",
+            f"--set algorithm.entropy_coef_max={a.entropy_coef_min:g} (or a lower entropy_coef_min)",
+        )
