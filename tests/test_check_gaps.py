@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from helpers import run_user, sets
 
 KEYS = """\
@@ -29,6 +31,7 @@ def _job(tmp_path: Path, text: str) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_largest_seed_check_passes_trains_an_env_job(tmp_path):
     """Each turn's sampling seed grew with train.seed past what torch.Generator takes (2**64): an env job
     with a seed from about 1.8e7 on stopped with a traceback after check had passed it."""
@@ -74,6 +77,7 @@ def _check_then_train(user: Path) -> None:
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_a_column_named_as_a_logging_keyword_is_not_passed_twice(tmp_path):
     """A data column named log_extra / log_metric / trainer_state went to the reward function beside the
     keyword of that name (TypeError: multiple values); the keyword wins, as TRL's trainer_state does."""
@@ -91,6 +95,7 @@ def test_a_column_named_as_a_logging_keyword_is_not_passed_twice(tmp_path):
     _check_then_train(_data_job(tmp_path, rows, rewards))
 
 
+@pytest.mark.slow
 def test_rows_with_different_columns_give_every_column_none_where_missing(tmp_path):
     """Rows that do not all have the same columns: the batch took its column names from its first row (a
     KeyError traceback when a later row lacked one, and a column only later rows have was missing for a
@@ -123,6 +128,7 @@ output: {dir: runs/q, save_every: 1}
 """
 
 
+@pytest.mark.slow
 def test_resuming_a_full_run_as_lora_is_refused_in_one_line(tmp_path):
     """The saved job.yaml writes defaults as comments: a breaking field left at its default there
     (model.use_peft: false) and set now was not seen as a change, and train stopped with peft's
@@ -136,6 +142,7 @@ def test_resuming_a_full_run_as_lora_is_refused_in_one_line(tmp_path):
     assert "model.use_peft: False -> True" in p.stderr and "Nothing was started" in p.stderr  # check's line
 
 
+@pytest.mark.slow
 def test_check_says_what_train_would_refuse_to_resume(tmp_path):
     """output.resume's checkpoint (auto: the newest in output.dir) against the job, as train checks it
     before anything starts -- without importing torch; a path that is no checkpoint is refused too."""

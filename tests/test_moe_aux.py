@@ -117,6 +117,7 @@ def test_check_refuses_a_router_weight_for_a_model_without_one(tmp_path):
     assert "fix: remove it (or 0)" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_moe_run_from_the_cli_logs_aux_loss(tmp_path):
     """The installed CLI, a user's MoE folder: the router's loss is on by default (the config's 0.001) and
     logged every step; 0 turns it off."""
