@@ -195,3 +195,21 @@ def test_chat_data_prompts_are_rendered_with_chat_template_kwargs(tmp_path):
     p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "rollout.chat_template_kwargs is only read for chat-format prompts" in p.stdout, p.stdout
+
+
+def test_check_refuses_a_prompt_length_the_chat_frame_does_not_fit(tmp_path):
+    """Prompts are cut from the left: a max_prompt_length under the template's frame would cut every chat
+    prompt's start (its role markers); check says so, exit 2, with the length that fits."""
+    (tmp_path / "chat.jsonl").write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}) + "\n"
+    )
+    (tmp_path / "job.yaml").write_text(
+        "model: {path: builtin:tiny-qwen2}\ndata: {path: chat.jsonl}\n"
+        "reward: {functions: [gpufleet.rewards:answer_match]}\n"
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "rollout.max_prompt_length=3", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "the chat template's frame around a prompt is" in p.stdout and "line 1" in p.stdout, p.stdout
+    assert "fix: --set rollout.max_prompt_length=" in p.stdout
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "rollout.max_prompt_length=32", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -135,3 +135,30 @@ def _tokenizer(path: str):
         return load_tokenizer(path)
     except UserError:
         return None
+
+
+def chat_data_frame_fits(ctx: Context, first_chat: str | None):
+    """Single-turn chat-format data: the chat template's frame around a prompt (an empty user message with
+    the generation prompt) must fit rollout.max_prompt_length, or every prompt loses its start (prompts are
+    cut from the left). Called by resources.py's data_available, which knows whether the rows are chat."""
+    job = ctx.job
+    if first_chat is None or job.env.name or job.rollout.tools:
+        return
+    tok = _tokenizer(job.model.path)
+    if tok is None or not getattr(tok, "chat_template", None):  # no template: resources.py says it
+        return
+    empty = [{"role": "user", "content": ""}]
+    kwargs = dict(job.rollout.chat_template_kwargs)
+    try:
+        text = tok.apply_chat_template(empty, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception:  # a template that refuses an empty message: chatdata.py renders the real rows
+        return
+    frame = len(tok.encode(text, add_special_tokens=False))
+    if frame >= job.rollout.max_prompt_length:
+        yield err(
+            [ctx.ref("rollout.max_prompt_length"), ctx.ref("data.path")],
+            f"the chat template's frame around a prompt is {frame} tokens (first chat row at {first_chat}), and "
+            f"rollout.max_prompt_length {job.rollout.max_prompt_length} keeps only the last ones: every "
+            "prompt's start would be cut.",
+            f"--set rollout.max_prompt_length={frame + 256} (the frame + the prompt's tokens)",
+        )

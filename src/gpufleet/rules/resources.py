@@ -297,6 +297,9 @@ def data_available(ctx: Context):
         return
     if not ctx.job.env.name and not ctx.job.rollout.tools:  # chat episodes' template: chat.py's rule
         yield from _chat_needs_template(ctx, found.first_chat)
+        from gpufleet.rules.chat import chat_data_frame_fits
+
+        yield from chat_data_frame_fits(ctx, found.first_chat)
         if found.first_chat is None and "rollout.chat_template_kwargs" in ctx.r.set_fields("rollout"):
             yield warn(
                 [ctx.ref("rollout.chat_template_kwargs")],
