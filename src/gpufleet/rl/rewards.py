@@ -194,7 +194,9 @@ def completion_token_ids(rollout) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
 
 
-def chat_said(p, row_pos: list[int], rollout, prompts: list[str], completions: list[str]) -> dict | None:
+def chat_said(
+    p, row_pos: list[int], rollout, prompts: list[str], completions: list[str], raw: list | None = None
+) -> dict | None:
     """TRL's reward arguments `prompts` and `completions` of a single-turn batch (no env, no tools) whose
     data prompts are chat messages (TRL's `is_conversational`), as TRL 1.16's `_generate` builds them: each
     prompt the row's messages (a copy), each completion a list of one assistant message -- the sampled ids
@@ -202,7 +204,8 @@ def chat_said(p, row_pos: list[int], rollout, prompts: list[str], completions: l
     TRL's), or `{"role": "assistant", "content": text}` for a tokenizer without one. None when no row's
     prompt is messages: text data passes the text. A text row among chat rows keeps its text."""
     field = p.source.field
-    raw = [p.source.examples(pos, 1)[0][field] for pos in row_pos]
+    if raw is None:  # the rows' prompts as the data holds them (the step passes those it read)
+        raw = [p.source.examples(pos, 1)[0][field] for pos in row_pos]
     chat = [isinstance(x, list) and bool(x) and isinstance(x[0], dict) and "role" in x[0] for x in raw]
     if not any(chat):
         return None

@@ -68,7 +68,7 @@ def generation_step(p: Parts, gen_index: int, autocast) -> Scored:
         p.pending_ref_mixes.clear()
         log = RewardLog(gen_index * reuse_count(job), t.max_steps)  # TRL's trainer_state, log_metric, ...
         env_rewards = episodes.env_rewards if episodes else None
-        said = episodes.conversation if episodes else chat_said(p, row_pos, rollout, prompts, completions)
+        said = got.said
         per_function = p.rewards(
             prompts,
             completions,
@@ -120,6 +120,7 @@ class _Sampled:
     columns: dict
     episodes: Episodes | None = None
     answer: object | None = None
+    said: dict | None = None  # TRL's message-list prompts / completions (chat episodes, chat data)
 
 
 def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
@@ -129,8 +130,10 @@ def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
     if job.env.name or tools_on_data(job):
         ep, answer = rolloutplay.episodes(p, rows, row_pos, seeds, gen_index, _layout)
         loss_mask = _unless_cut(job, ep.loss_mask, ep.rollout)  # tools on data: TRL's is_truncated
-        return _Sampled(ep.rollout, loss_mask, ep.prompts, ep.transcripts, ep.columns, ep, answer)
-    prompt_ids, prompts, columns = _prompts(p, row_pos)
+        return _Sampled(
+            ep.rollout, loss_mask, ep.prompts, ep.transcripts, ep.columns, ep, answer, ep.conversation
+        )
+    prompt_ids, prompts, columns, raw = _prompts(p, row_pos)
     answer = None
     if p.remote is not None:
         answer = rollouts.fetch(p.remote, p.policy, gen_index, lambda g: _request(p, g))
@@ -141,7 +144,8 @@ def _sampled(p: Parts, rows, row_pos, seeds, gen_index: int) -> _Sampled:
     completions = p.tokenizer.batch_decode(
         rollout.completion_ids * rollout.completion_mask.long(), skip_special_tokens=True
     )
-    return _Sampled(rollout, loss_mask, prompts, completions, columns, None, answer)
+    said = chat_said(p, row_pos, rollout, prompts, completions, raw)  # chat data: TRL's message lists
+    return _Sampled(rollout, loss_mask, prompts, completions, columns, None, answer, said)
 
 
 def _unless_cut(job, loss_mask: torch.Tensor, rollout: Rollout) -> torch.Tensor:
@@ -195,8 +199,9 @@ def warn_unscorable(per_function: torch.Tensor, prompts: list[str], completions:
         )
 
 
-def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list]]:
-    """Token ids and text of each row's prompt, and the data set's other columns per row (for rewards)."""
+def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], dict[str, list], list]:
+    """Token ids and text of each row's prompt, the data set's other columns per row (for rewards), and
+    each row's prompt as the data holds it (text, or chat messages)."""
     positions = sorted(set(row_pos))
     examples = {pos: p.source.examples(pos, 1)[0] for pos in positions}
     field = p.source.field
@@ -210,7 +215,8 @@ def _prompts(p: Parts, row_pos: list[int]) -> tuple[list[list[int]], list[str], 
     ids_by_pos = dict(zip(positions, ids, strict=True))
     text_by_pos = dict(zip(positions, texts, strict=True))
     columns = {k: [examples[pos][k] for pos in row_pos] for k in examples[positions[0]] if k != field}
-    return [ids_by_pos[pos] for pos in row_pos], [text_by_pos[pos] for pos in row_pos], columns
+    raw = [examples[pos][field] for pos in row_pos]
+    return [ids_by_pos[pos] for pos in row_pos], [text_by_pos[pos] for pos in row_pos], columns, raw
 
 
 def _ask_scorers(
