@@ -105,7 +105,7 @@ def gpufleet_side(parts, batch, micro, loss_type, level, bias, opts, length=L):
     from gpufleet.rl.entropy import EntropyControl
     from gpufleet.rl.losses import Loss, LossOptions
     from gpufleet.rl.precision import autocast_for
-    from gpufleet.rl.step import optimizer_step
+    from gpufleet.rl.update import optimizer_step
 
     eps_high = 5.0 if loss_type == "cispo" else 0.28
     options = LossOptions(

@@ -32,7 +32,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for _ in range(2):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # as rl/step.py, on offloaded grads
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # as rl/update.py, on offloaded grads
             opt.step()
             opt.zero_grad()
         result[offload] = full_state_dict(model, rt)

@@ -135,7 +135,7 @@ def length_groups(lengths: list[int], size: int, fixed: int, pass_tokens: int | 
     """Row indices of the micro-batches: rows by `lengths` longest first (stable), `size` at a time. With
     `pass_tokens`, a group is cut in two where that lowers its cost, rows x (`fixed` + its longest) summed
     over the parts plus `pass_tokens` per part, and each part again. Which rows share a micro-batch
-    changes no gradient: the loss's normaliser is the step's (rl/step.py)."""
+    changes no gradient: the loss's normaliser is the step's (rl/update.py)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups = [order[i : i + size] for i in range(0, len(order), size)]
     if pass_tokens is None:

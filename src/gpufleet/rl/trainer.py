@@ -36,7 +36,8 @@ from gpufleet.rl.batch import Scored, reuse_count
 from gpufleet.rl.optim import build_optimizer
 from gpufleet.rl.parts import build, sharded
 from gpufleet.rl.precision import autocast_for, reference_dtype, reward_model_dtype
-from gpufleet.rl.step import generation_step, optimizer_step
+from gpufleet.rl.step import generation_step
+from gpufleet.rl.update import optimizer_step
 
 
 def train(
