@@ -43,6 +43,26 @@ def test_call_shape_credits_the_right_calls_prefix():
     assert call_shape(["7:", "7:"], ["", "[k"]) == [0.0, 2 / 7]  # saying nothing earns nothing
 
 
+def test_call_shape_scores_the_turn_as_sampled_not_as_parsed(tmp_path):
+    """In chat episodes a reward function gets TRL's message lists, whose calls the response template
+    parsed: `[k=x` is a call to `k` there, rendered `[k =x]`. call_shape reads the sampled turn from
+    `completion_ids`, so `[k n` (4 characters of the call) scores above `[k=` (2), as the text does."""
+    from transformers.utils import get_json_schema
+
+    from gpufleet.models.builtin import EOS_TOKEN_ID, materialize
+    from gpufleet.models.load import load_tokenizer
+    from gpufleet.rl.chat import parse_response
+
+    tok = load_tokenizer(str(materialize("tiny-qwen2", tmp_path)))
+    turns = ["[k=xyz", "[k nq", "[k n=3]"]
+    ids = [tok.encode(t, add_special_tokens=False) + [EOS_TOKEN_ID] for t in turns]
+    parsed = [[parse_response(tok, x, [], [get_json_schema(k)])] for x in ids]
+    prompts = [[{"role": "user", "content": "7:"}]] * 3
+    assert call_shape(prompts, parsed) == [3 / 7, 2 / 7, 6.5 / 7]  # what the parse would credit
+    tail = tok.encode("T:q\nA:q", add_special_tokens=False) + [EOS_TOKEN_ID]  # the rest of the episode
+    assert call_shape(prompts, parsed, completion_ids=[x + tail for x in ids]) == [2 / 7, 4 / 7, 6.5 / 7]
+
+
 def test_reads_result_credits_writing_what_the_tool_said():
     transcripts = ["[k n=6]T:p\nA:p", "[k n=6]T:p\nA:[k n=4]", "[k n=6]", "p", "[k n=6]T:p\nA:"]
     assert reads_result(["7:"] * 5, transcripts) == [1.0, 0.0, 0.0, 0.0, 0.0]
@@ -69,11 +89,12 @@ def test_agent_tools_example_runs_from_the_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_agent_tools_example_starts_learning_the_call(tmp_path):
-    """The example's first 60 steps: the first character of the call is found and kept (call_shape from
-    ~0 to >= 1/7), and the episodes call the tool."""
+def test_agent_tools_example_learns_the_call(tmp_path):
+    """The example's first 250 steps: the call's form is found character by character (call_shape from
+    ~0 to >= 0.7: `[k n=` and a digit; measured 0.93 at step 250) and the calls stop failing. (Scored on
+    the parsed call instead of the sampled text, 3 runs stayed at 3/7 on `[k=`.)"""
     p = run_user(
-        "train", str(EXAMPLE), *sets("output.dir=run", "train.max_steps=60"), cwd=tmp_path, timeout=1200
+        "train", str(EXAMPLE), *sets("output.dir=run", "train.max_steps=250"), cwd=tmp_path, timeout=1800
     )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = _rows(tmp_path / "run")
@@ -82,5 +103,6 @@ def test_agent_tools_example_starts_learning_the_call(tmp_path):
         return sum(r[key] for r in rows) / len(rows)
 
     assert mean(rows[:5], "rewards/call_shape/mean") < 0.05
-    assert mean(rows[-10:], "rewards/call_shape/mean") >= 1 / 7  # "[" of "[k n=7]"
-    assert mean(rows[-10:], "tools/call_frequency") >= 0.5
+    assert mean(rows[-3:], "rewards/call_shape/mean") >= 0.7
+    assert mean(rows[-3:], "tools/call_frequency") >= 0.9
+    assert mean(rows[-3:], "tools/failure_frequency") <= 0.3

@@ -36,6 +36,8 @@ import random
 import string
 from typing import Any
 
+from gpufleet.models.builtin import CHAR_VOCAB, EOS_TOKEN_ID
+
 VAULTS = 10
 KEYS = random.Random("vault").sample(string.ascii_lowercase, VAULTS)
 """The key of vault n is KEYS[n]: 10 different letters."""
@@ -104,13 +106,30 @@ def _number(prompt: str | list[dict]) -> str:
     return text.strip().rstrip(":")
 
 
-def call_shape(prompts: list, completions: list, **_: Any) -> list[float]:
-    """Per episode: how much of the right call (`[k n=7]`) the transcript starts with, as a share of it; a
-    wrong digit counts half and the match goes on (`[k n=3]` for vault 7: 6.5 / 7). Prompts and
-    completions as text or as TRL's message lists (`said`)."""
+def sampled(ids: list[int]) -> str:
+    """Token ids of the built-in character tokenizer as text, up to the first EOS: an episode's first turn
+    as the policy sampled it (a reward function's `completion_ids`)."""
     out = []
-    for prompt, episode in zip(prompts, completions, strict=True):
-        target, completion = f"[k n={_number(prompt)}]", said(episode)
+    for i in ids:
+        if i == EOS_TOKEN_ID:
+            break
+        out.append(CHAR_VOCAB[i] if 0 <= i < len(CHAR_VOCAB) else "")
+    return "".join(out)
+
+
+def call_shape(
+    prompts: list, completions: list, completion_ids: list[list[int]] | None = None, **_: Any
+) -> list[float]:
+    """Per episode: how much of the right call (`[k n=7]`) the first turn starts with, as a share of it; a
+    wrong digit counts half and the match goes on (`[k n=3]` for vault 7: 6.5 / 7). The turn as sampled
+    (`completion_ids`, when given), else as `said` renders the completion (text or TRL's message list).
+    Not the parsed call: the built-in response template reads `[k=x` as a call to `k` and renders it
+    `[k =x]`, which would credit `[k=` above `[k n` and hold a run there (measured: 3 of 3 runs stuck)."""
+    texts = [sampled(ids) for ids in completion_ids] if completion_ids is not None else None
+    out = []
+    for i, (prompt, episode) in enumerate(zip(prompts, completions, strict=True)):
+        target = f"[k n={_number(prompt)}]"
+        completion = texts[i] if texts is not None else said(episode)
         score = 0.0
         for i, want in enumerate(target[: len(completion)]):
             got = completion[i]
