@@ -5,7 +5,7 @@
 The same builtin tiny Qwen2 weights, 2 prompts x G=4 forced completions (different lengths, one cut at
 max_completion_length, junk after EOS), a perturbed reference and (off-policy cases) perturbed old
 log-probs, fp32. TRL's side: `GRPOTrainer._compute_loss` (what `training_step` runs after generation) on
-the batch in one pass, then backward. gpufleet's side: `optimizer_step` (rl/step.py) on the same batch with
+the batch in one pass, then backward. gpufleet's side: `optimizer_step` (rl/update.py) on the same batch with
 micro-batch 8 and 2. Printed per case: the max |grad difference| over every parameter (either micro-batch
 size), |loss difference| and the largest difference of the logged kl / entropy / clip figures. A second
 table runs TRL's `_generate_and_score_completions` (its `_generate` replaced by the forced completions)

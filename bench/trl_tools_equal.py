@@ -51,7 +51,7 @@ def tool_turns(tok, observations: list[str]) -> list[list[list[int]]]:
 
     out = []
     for row, (first, second) in enumerate(TOOL_TURNS):
-        n = int(observations[row].rstrip(":"))
+        n = int(observations[row][0])  # the vault number, shown SHOWN times ("77777777:")
         call = first.format(n=n, pad="")
         # the built-in template's tool bridge (models/chat.py): "T:<result>\n" per call, then "A:"
         bridge = sum(len(f"T:{k(m)}\n") for m in (n, 3)[: call.count("[k")]) + len("A:")
