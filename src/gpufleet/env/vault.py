@@ -15,10 +15,10 @@ its first character is the key, `success`), and ends the episode. Three shaping 
 job's reward.functions show a randomly initialised model the way:
 
 - `call_shape`: the share of the right call (`[k n=7]`) the first turn starts with, so that the call's
-  form is found character by character; a wrong digit counts half. (With the prefix alone, each of 3
-  seeds learned `[k n` or `[k n=` in ~150 steps and then wrote `n`, `=` or ` ` again where the digit goes
-  -- `[k n=n=`, `[k nnnn` --: the calls never parsed, every episode of a group earned the same, and GRPO
-  had no signal left.)
+  form is found character by character; a wrong digit counts half and ends the match. (With the prefix
+  alone, each of 3 seeds learned `[k n` or `[k n=` in ~150 steps and then wrote `n`, `=` or ` ` again
+  where the digit goes -- `[k n=n=`, `[k nnnn` --: the calls never parsed, every episode of a group
+  earned the same, and GRPO had no signal left.)
 - `right_vault`: the first turn starts `[k n=7` for vault 7: the digit copied from the prompt. (Paid only
   through the key, the digit collapsed onto one value for every vault before answers read the tool, and
   no group had a spread left to learn the copy from: 0 of 5 runs.)
