@@ -25,7 +25,8 @@ def quickstart_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Quickstart", 1)[1].split("```", 2)[1]
     text = re.sub(r"\\\n\s*", "", block)  # join continued lines
-    return [line.split("  #")[0].strip() for line in text.strip().splitlines() if line.strip()]
+    lines = [line.split("  #")[0].strip() for line in text.strip().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]  # a comment line runs nothing
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
