@@ -9,6 +9,8 @@ import json
 import textwrap
 from types import SimpleNamespace
 
+import pytest
+
 from helpers import run_user
 
 ROWS = [
@@ -120,6 +122,7 @@ def typed(prompts, completions, completion_ids, answer, **kwargs):
 """
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_a_single_turn_job_on_chat_data_passes_message_lists_from_the_installed_cli(tmp_path):
     """A user's reward function that asserts TRL's conversational types runs a real single-turn job."""
     (tmp_path / "my_rewards.py").write_text(REWARDS)

@@ -171,6 +171,7 @@ def test_kill9_then_resume_is_bitwise_identical_on_an_env_job(tmp_path):
     assert [x["reward"] for x in metrics(ref)] == [x["reward"] for x in metrics(run)]
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_sigkill_of_the_trainer_leaves_no_env_server(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(

@@ -96,6 +96,7 @@ def test_the_kernel_writes_the_steps_keys_and_values_and_attends_to_them():
     assert float(worst) < 1e-6 and exact == "True"
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_the_decoder_with_the_kernels_gives_its_usual_logits_and_rollouts():
     """Prefill + decode steps of the fast decoder (padded prompts, GRPO groups prefilled once) through
     the kernels, against the same decoder with them off (SDPA over the written slots), and a rollout."""

@@ -389,6 +389,7 @@ def test_any_text_trains_and_numpy_and_tensor_rewards_count(home):
     assert [m["step"] for m in metrics] == [1] and metrics[0]["reward"] > 0, metrics
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_a_reward_that_never_returns_times_out(home):
     (home / "my_rewards.py").write_text(
         "import time\n\ndef length(prompts, completions, **columns):\n"

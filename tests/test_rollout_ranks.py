@@ -219,6 +219,7 @@ def test_check_refuses_async_where_it_cannot_work(tmp_path):
 ASYNC = ("placement.rollout=1", "rollout.async_steps=1", "output.save_every=3")
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_a_batch_ahead_is_sampled_with_the_weights_of_a_step_before(user_dir):
     """async_steps 1: batch g is sampled while g - 1 trains, so from the second step on it is one step
     stale; its sampling log-probs (the rollout rank's) meet the trainer's in TRL's truncated IS ratio."""

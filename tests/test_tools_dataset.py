@@ -379,6 +379,7 @@ def counted(prompts, completions, environments, target, **kwargs):
 '''
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_trl_environment_reward_functions_get_the_instances_and_the_data_columns(tmp_path):
     """TRL's `environments` (the episode's instances, env.servers 0) and the rows' columns."""
     (tmp_path / "counter.py").write_text(TRL_ENV)

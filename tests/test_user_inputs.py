@@ -338,6 +338,7 @@ def test_train_refuses_cleanly(home, values, text):
     assert_clean_error(p.returncode, p.stdout + p.stderr, text, "Nothing was started")
 
 
+@pytest.mark.slow  # end to end (~10 s); make test-slow runs it
 def test_lossy_tokenizer_warns_and_training_goes_on(home, tiny_model):
     """A tokenizer that lowercases: check warns with an example, train warns once and finishes."""
     shutil.copytree(tiny_model, home / "model")

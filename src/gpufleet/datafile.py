@@ -13,6 +13,7 @@ the fix. Text formats are UTF-8 (a UTF-8 byte-order mark is allowed); CSV cells 
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 import lzma
 from collections.abc import Iterator
@@ -27,6 +28,17 @@ from gpufleet.paths import user_path
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 MAX_LINE_BYTES = 1 << 20
 FULL_CHECK_BYTES = 64 << 20
+LONGEST = 16  # prompts kept by `scan` as the longest (by characters): check tokenises them (rules/prompts.py)
+CHARS_PER_TOKEN = 32
+
+
+def prompt_chars(max_prompt_length: int) -> int:
+    """Characters of a prompt tokenised (its last ones): a long prompt is cut (from the left, as its ids
+    are) to max(4096, CHARS_PER_TOKEN x max_prompt_length) characters first, so a 10 MB line costs what a
+    short one does (rl/batch.py `encode_prompt`; check's count, rules/prompts.py, the same)."""
+    return max(4096, CHARS_PER_TOKEN * max_prompt_length)
+
+
 CHECK_HEAD_ROWS = 10_000
 
 
@@ -40,7 +52,21 @@ class Scan:
     rows: list[dict[str, Any]] | None = None
     table: Any = None  # a pyarrow Table for .parquet when loading
     first_chat: str | None = None  # where the first chat-format prompt (a list of messages) is
+    longest: list[tuple[int, int, str, Any]] = field(default_factory=list)
+    """The LONGEST prompts by characters (a chat prompt: its messages' contents), as a heap of
+    (characters, order, where, prompt); `longest_prompts()` gives them longest first."""
     _seen: set[str] = field(default_factory=set)
+    _order: int = 0
+
+    def longest_prompts(self) -> list[tuple[str, Any]]:
+        """(where, prompt) of the longest prompts read, longest first."""
+        return [(where, value) for _, _, where, value in sorted(self.longest, reverse=True)]
+
+    def _keep_if_long(self, where: str, value: Any) -> None:
+        size = len(value) if isinstance(value, str) else sum(len(m["content"]) for m in value)
+        self._order += 1
+        entry = (size, -self._order, where, value)  # among equals, the earlier row counts as longer
+        (heapq.heappush if len(self.longest) < LONGEST else heapq.heappushpop)(self.longest, entry)
 
     def __len__(self) -> int:
         return self.count
@@ -103,6 +129,8 @@ def _scan_folder(p: Path, name: str, prompt_field: str, max_rows: int | None, ke
         total.complete &= s.complete
         total.columns += [c for c in s.columns if c not in total.columns]
         total.first_chat = total.first_chat or s.first_chat
+        for _, _, where, value in sorted(s.longest, key=lambda e: -e[1]):  # in file order
+            total._keep_if_long(where, value)
         if keep:
             total.rows.extend(s.rows if s.rows is not None else s.table.to_pylist())
     return total
@@ -133,6 +161,7 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
         )
     value = rec[prompt_field]
     if isinstance(value, str) and value:
+        s._keep_if_long(f"{name} {where}", value)
         return True
     chat = (
         isinstance(value, list)
@@ -141,6 +170,8 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
     )
     if chat and s.first_chat is None:
         s.first_chat = f"{name} {where}"
+    if chat:
+        s._keep_if_long(f"{name} {where}", value)
     if not chat:
         ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
         raise DataFileError(

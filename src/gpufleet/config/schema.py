@@ -107,7 +107,8 @@ class RolloutSection(Section):
     """Generation engine: `hf` (built-in batched sampler with a KV cache). `vllm` is planned."""
 
     max_prompt_length: int = Field(512, ge=1)
-    """Prompts longer than this many tokens are truncated from the left."""
+    """Prompts longer than this many tokens are truncated from the left (check warns about a data file's
+    longest prompts; train says it once at the first cut)."""
 
     max_completion_length: int = Field(256, ge=1)
     """Maximum new tokens per completion."""

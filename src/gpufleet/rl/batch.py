@@ -12,10 +12,12 @@ optimizer step (`rows`) and micro-batches of those (`split`).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from gpufleet.datafile import prompt_chars
 from gpufleet.engine import packing
 from gpufleet.engine.logprobs import sequence_logprobs
 from gpufleet.engine.rollout import Rollout
@@ -235,19 +237,14 @@ class Scored:
     """Per row, the columns reward functions logged with TRL's `log_extra` (samples.jsonl)."""
 
 
-CHARS_PER_TOKEN = 32
-"""Characters kept per prompt token before tokenising: a long prompt is cut (from the left, as its ids
-are) to max(4096, 32 x max_prompt_length) characters first, so a 10 MB line costs what a short one does."""
-
-
 def encode_prompt(tokenizer, text: str, max_len: int, name: str) -> list[int]:
-    """The last `max_len` token ids of `text`, tokenising only its last characters (`CHARS_PER_TOKEN`);
+    """The last `max_len` token ids of `text`, tokenising only its last characters (datafile.py `prompt_chars`);
     a tokenizer that cannot encode it is a UserError naming the prompt (`name`)."""
     from gpufleet.errors import UserError
 
-    keep = max(4096, CHARS_PER_TOKEN * max_len)
+    keep = prompt_chars(max_len)
     try:
-        return tokenizer.encode(text[-keep:], add_special_tokens=False)[-max_len:]
+        ids = tokenizer.encode(text[-keep:], add_special_tokens=False)
     except Exception as e:  # the tokenizer's own error, whatever its type: name the prompt, not a traceback
         shown = repr(text[:80]) + ("..." if len(text) > 80 else "")
         raise UserError(
@@ -255,6 +252,27 @@ def encode_prompt(tokenizer, text: str, max_len: int, name: str) -> list[int]:
             field="model.path",
             fix="clean that prompt's text, or use a tokenizer that can encode it",
         ) from None
+    return keep_last(ids, max_len, name, more=len(text) > keep)
+
+
+_cut_said = False
+
+
+def keep_last(ids: list[int], max_len: int, name: str, more: bool = False) -> list[int]:
+    """A prompt's last `max_len` ids (rollout.max_prompt_length), as train feeds every prompt. The first
+    cut in a process prints one warning line (stderr: the console, the rank's log) naming that prompt
+    and the length that keeps it whole; `more`: `ids` are already its last part (`encode_prompt`)."""
+    global _cut_said
+    if (len(ids) > max_len or more) and not _cut_said:
+        _cut_said = True
+        n = f"over {len(ids)}" if more else str(len(ids))
+        print(
+            f"gpufleet: warning: {name} is {n} tokens, longer than rollout.max_prompt_length {max_len}: "
+            f"its first tokens are cut, as those of any longer prompt (said once); --set "
+            f"rollout.max_prompt_length={len(ids)} keeps it whole (gpufleet check lists a data file's longest)",
+            file=sys.stderr,
+        )
+    return ids[-max_len:]
 
 
 def tokenize_prompts(

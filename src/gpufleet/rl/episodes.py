@@ -40,7 +40,7 @@ import torch
 from gpufleet.engine.rollout import Rollout, left_pad
 from gpufleet.env.connect import env_errors
 from gpufleet.rl import chatturns, tooldata, trlenv
-from gpufleet.rl.batch import encode_prompt
+from gpufleet.rl.batch import encode_prompt, keep_last
 from gpufleet.rl.parts import sample
 
 SEED_SPACE = 2**31
@@ -127,13 +127,14 @@ def _play(p, rows: list[int], row_pos: list[int], sample_seeds: list[int], gen_i
     prompts = []
     for e, pos, (obs, info) in zip(eps, row_pos, first, strict=True):
         text = (cfg.instructions if cfg.instructions is not None else info.get("instructions", "")) + obs
-        name = f"the first observation of episode {e.id}"
         if chat is not None:  # rendered once; like any prompt, its last max_prompt_length tokens
             said, text = trl.first(pos, text) if trl else (text, text)
             e.said = [{"role": "user", "content": said}] if isinstance(said, str) else said
             e.prompt = chat.fmt.first_prompt(said, trl.tools(pos) if trl else None)
-            e.prompt = e.prompt[-p.job.rollout.max_prompt_length :]
+            whole = f"the first prompt of episode {e.id} (the template's frame, tools and first observation)"
+            e.prompt = keep_last(e.prompt, p.job.rollout.max_prompt_length, whole)
         else:
+            name = f"the first observation of episode {e.id}"
             e.prompt = encode_prompt(tok, text, p.job.rollout.max_prompt_length, name) or [tok.eos_token_id]
         prompts.append(text)
     budget = cfg.episode_tokens()

@@ -1,0 +1,71 @@
+"""The rule of a data file's prompt lengths: train keeps each prompt's last rollout.max_prompt_length tokens
+(rl/batch.py `encode_prompt`), so a longer prompt loses its start without a word at run time but one
+warning line. check tokenises the longest prompts it read (datafile.LONGEST, by characters; chat prompts
+rendered with the model's template as train renders them) and says which are cut and the length that
+keeps them whole. Env jobs' first prompts come from the env at run time: train warns at the first cut."""
+
+from __future__ import annotations
+
+from gpufleet import datafile
+from gpufleet.paths import user_path
+from gpufleet.rules.chat import _tokenizer
+from gpufleet.rules.registry import Context, rule, warn
+
+
+@rule
+def prompts_fit_max_prompt_length(ctx: Context):
+    job = ctx.job
+    data = job.data
+    if job.env.name or job.rollout.tools or data.path.startswith("builtin:"):
+        return  # env and tool episodes: their first prompt is checked in chat.py / warned at run time
+    p = user_path(data.path)
+    if not p.exists():
+        return  # the data rule says so (or a hub id: read at train time)
+    try:
+        found = datafile.scan(p, data.prompt_field, max_rows=datafile.check_limit(p))
+    except datafile.DataFileError:
+        return  # the data rule reports it
+    limit = job.rollout.max_prompt_length
+    longest = found.longest_prompts()
+    if all(isinstance(x, str) and len(x.encode()) < limit for _, x in longest):
+        return  # a text token is at least a byte (bar a leading space marker): none can be over
+    try:
+        tok = _tokenizer(job.model.path)
+    except Exception:  # MemoryError from a huge config.json, say: resources.py's model rule says what it is
+        return
+    if tok is None:
+        return  # a model that is not here: nothing to count tokens with
+    lengths = [(n, where) for where, prompt in longest if (n := _tokens(tok, prompt, job))[0]]
+    over = [(n, where) for n, where in lengths if n[0] > limit or n[1]]
+    if not over:
+        return
+    (n, more), where = max(over)
+    which = f"{len(over)} of the {len(lengths)} longest prompts" if len(over) > 1 else "1 prompt"
+    read = "" if found.complete else f" (of the first {found.count} rows, which check read)"
+    yield warn(
+        [ctx.ref("rollout.max_prompt_length"), ctx.ref("data.path")],
+        f"{which} of {p.name}{read} {'are' if len(over) > 1 else 'is'} longer than rollout.max_prompt_length "
+        f"{limit} tokens, the longest {'over ' if more else ''}{n} tokens ({where}): train keeps each prompt's "
+        f"last {limit} tokens, the start of a longer one is cut.",
+        f"--set rollout.max_prompt_length={n}{' or more' if more else ''} keeps them whole (gpufleet plan shows its memory), or shorten "
+        "those prompts",
+    )
+
+
+def _tokens(tok, prompt, job) -> tuple[int, bool]:
+    """The prompt's tokens as train counts them (a chat prompt rendered with the template and
+    rollout.chat_template_kwargs), of its last `datafile.prompt_chars` characters as train tokenises them,
+    and whether it has more characters than those; 0 for one the template refuses (chatdata.py says so)."""
+    if isinstance(prompt, list):
+        if not getattr(tok, "chat_template", None):
+            return 0, False  # resources.py says the model has no template
+        try:
+            kwargs = dict(job.rollout.chat_template_kwargs)
+            prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:  # the template (jinja) refused these messages, whatever its error type
+            return 0, False
+    keep = datafile.prompt_chars(job.rollout.max_prompt_length)
+    try:
+        return len(tok.encode(prompt[-keep:], add_special_tokens=False)), len(prompt) > keep
+    except Exception:  # a text the tokenizer cannot encode: train names it (rl/batch.py encode_prompt)
+        return 0, False

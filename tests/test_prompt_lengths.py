@@ -1,0 +1,102 @@
+"""Prompts longer than rollout.max_prompt_length lose their start (train keeps the last tokens): `check`
+names the longest prompts of a data file and the length that keeps them whole, and train says it once
+at the first cut (a hub data set or an env's first observation, which check cannot read)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from helpers import run_user
+
+JOB = """model: {path: builtin:tiny-qwen2}
+data: {path: DATA}
+rollout: {max_prompt_length: 64, max_completion_length: 8}
+reward: {functions: [gpufleet.rewards:answer_match]}
+algorithm: {num_generations: 4}
+train: {per_device_batch: 8, max_steps: 1, log_every: 1}
+output: {dir: run}
+"""
+WORDS = [2, 3, 40, 5, 60, 4, 2, 3]  # "abc " this many times: rows 3 and 5 are 160 and 240 tokens
+
+
+def _job(folder, rows, name="data.jsonl"):
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "job.yaml").write_text(JOB.replace("DATA", name))
+
+
+def _fix(stdout: str) -> int:
+    return int(re.search(r"fix: --set rollout.max_prompt_length=(\d+) keeps them whole", stdout).group(1))
+
+
+def test_check_names_the_longest_prompt_and_the_length_that_keeps_it_whole(tmp_path):
+    _job(tmp_path, [{"prompt": "abc " * k, "answer": "x"} for k in WORDS])
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "2 of the 8 longest prompts of data.jsonl are longer than rollout.max_prompt_length 64" in p.stdout
+    assert "the longest 240 tokens (" in p.stdout and "data.jsonl line 5)" in p.stdout, p.stdout
+    assert _fix(p.stdout) == 240  # one token per character (the built-in tokenizer)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "rollout.max_prompt_length=240", cwd=tmp_path)
+    assert p.returncode == 0 and "max_prompt_length" not in p.stdout, p.stdout
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "rollout.max_prompt_length=239", cwd=tmp_path)
+    assert "1 prompt of data.jsonl is longer than rollout.max_prompt_length 239" in p.stdout, p.stdout
+
+
+def test_check_counts_a_chat_prompt_as_the_template_renders_it(tmp_path):
+    """The frame (role markers, the generation prompt) counts: the fix is the rendered prompt's length."""
+    from gpufleet.models.builtin import char_tokenizer
+
+    messages = [{"role": "system", "content": "s" * 30}, {"role": "user", "content": "u" * 50}]
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}] * 3 + [{"prompt": messages}]
+    _job(tmp_path, rows, "chat.jsonl")
+    tok = char_tokenizer()
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    length = len(tok.encode(rendered, add_special_tokens=False))
+    assert length > 80
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "1 prompt of chat.jsonl is longer" in p.stdout and "chat.jsonl line 4)" in p.stdout, p.stdout
+    assert _fix(p.stdout) == length
+
+
+def test_a_huge_prompt_is_counted_as_train_reads_it(tmp_path):
+    """A 200,000-character line: train tokenises its last max(4096, 32 x max_prompt_length) characters
+    (so a huge line costs what a short one does); check counts those and says the prompt is longer."""
+    _job(tmp_path, [{"prompt": "x" * 200_000}, {"prompt": "abc"}])
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "the longest over 4096 tokens (" in p.stdout, p.stdout
+    assert "fix: --set rollout.max_prompt_length=4096 or more keeps them whole" in p.stdout, p.stdout
+
+
+def test_a_folder_names_the_file_of_the_longest_prompt(tmp_path):
+    (tmp_path / "data").mkdir()
+    for name, k in (("a.jsonl", 3), ("b.jsonl", 50), ("c.jsonl", 4)):
+        (tmp_path / "data" / name).write_text(json.dumps({"prompt": "abc " * k}) + "\n")
+    (tmp_path / "job.yaml").write_text(JOB.replace("DATA", "data"))
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert "b.jsonl line 1)" in p.stdout and _fix(p.stdout) == 200, p.stdout
+
+
+def test_train_says_once_that_a_prompt_is_cut_and_trains(tmp_path):
+    _job(tmp_path, [{"prompt": "abc " * k, "answer": "x"} for k in WORDS])
+    batch = ("--set", "train.per_device_batch=32")  # every prompt in the one step (x 4 generations)
+    p = run_user("train", "job.yaml", *batch, cwd=tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = [
+        x for x in p.stderr.splitlines() if x.startswith("gpufleet: warning:") and "max_prompt_length" in x
+    ]
+    assert len(said) == 1, p.stderr  # 2 prompts cut, said once
+    assert re.search(
+        r"row [35] of .*data.jsonl is (160|240) tokens, longer than rollout.max_prompt_length 64", said[0]
+    )
+    assert "--set rollout.max_prompt_length=" in said[0]
+    (step,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert step["step"] == 1  # the cut prompts trained
+
+
+def test_keep_last_keeps_the_last_tokens():
+    from gpufleet.rl.batch import keep_last
+
+    assert keep_last([1, 2, 3, 4], 2, "p") == [3, 4]
+    assert keep_last([1, 2], 2, "p") == [1, 2]
