@@ -100,3 +100,24 @@ def test_keep_last_keeps_the_last_tokens():
 
     assert keep_last([1, 2, 3, 4], 2, "p") == [3, 4]
     assert keep_last([1, 2], 2, "p") == [1, 2]
+
+
+def test_check_reads_the_tokenizer_from_this_machine_only(tmp_path, monkeypatch):
+    """check never downloads: a hub id in the local cache is read from its snapshot folder; one that is not
+    there gives no tokenizer (the model rule says what to download) and no connection is tried."""
+    import shutil
+    import socket
+
+    from gpufleet.models.builtin import materialize
+    from gpufleet.rules.chat import _tokenizer
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("check tried the network")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    assert _tokenizer("someone/not-here", env) is None
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / "abc123"
+    shutil.copytree(materialize("tiny-qwen2"), snapshot)
+    tok = _tokenizer("someone/tiny", env)
+    assert tok is not None and tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"

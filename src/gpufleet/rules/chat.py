@@ -81,7 +81,7 @@ def chat_template_fits(ctx: Context):
     except UserError as e:
         yield err([ctx.ref("rollout.tools")], getattr(e, "why", None) or e.message, e.fix)
         return
-    tok = _tokenizer(job.model.path)
+    tok = _tokenizer(job.model.path, ctx.env)
     if tok is None:  # a model not on this machine: the model rules say so
         return
     schemas = [t.schema for t in tools]
@@ -124,15 +124,21 @@ def chat_template_fits(ctx: Context):
         )
 
 
-def _tokenizer(path: str):
+def _tokenizer(path: str, env=None):
+    """The model's tokenizer, read from what is on this machine (a folder, or a hub id in the local cache),
+    never downloaded (check reads only what is offline); None when it is not here or cannot be read."""
     from gpufleet.models.builtin import char_tokenizer, is_builtin
+    from gpufleet.models.info import find_config_json
 
     if is_builtin(path):
         return char_tokenizer()
     from gpufleet.models.load import load_tokenizer
 
+    config = find_config_json(path, env)
+    if config is None:
+        return None
     try:
-        return load_tokenizer(path)
+        return load_tokenizer(str(config.parent))
     except UserError:
         return None
 
@@ -144,7 +150,7 @@ def chat_data_frame_fits(ctx: Context, first_chat: str | None):
     job = ctx.job
     if first_chat is None or job.env.name or job.rollout.tools:
         return
-    tok = _tokenizer(job.model.path)
+    tok = _tokenizer(job.model.path, ctx.env)
     if tok is None or not getattr(tok, "chat_template", None):  # no template: resources.py says it
         return
     empty = [{"role": "user", "content": ""}]

@@ -26,7 +26,7 @@ def chat_rows_render(ctx: Context):
         return  # the data rule reports it
     if found.first_chat is None:
         return
-    tok = _tokenizer(job.model.path)
+    tok = _tokenizer(job.model.path, ctx.env)
     if tok is None or not getattr(tok, "chat_template", None):
         return  # a model not here, or no template: resources.py's rule says which
     kwargs = dict(job.rollout.chat_template_kwargs)

@@ -30,7 +30,7 @@ def prompts_fit_max_prompt_length(ctx: Context):
     if all(isinstance(x, str) and len(x.encode()) < limit for _, x in longest):
         return  # a text token is at least a byte (bar a leading space marker): none can be over
     try:
-        tok = _tokenizer(job.model.path)
+        tok = _tokenizer(job.model.path, ctx.env)
     except Exception:  # MemoryError from a huge config.json, say: resources.py's model rule says what it is
         return
     if tok is None:
