@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -108,3 +109,41 @@ def test_live_view_follows_a_real_run_in_tmux(tmp_path):
         subprocess.run([*tmux.base, "kill-server"], capture_output=True)
     p = run_user("watch", str(out), "--once", cwd=tmp_path)  # and once, for scripts
     assert p.returncode == 0 and "step 8/8" in p.stdout and "finished" in p.stdout
+
+
+MARKUP_SCRIPT = """
+import os
+print("saved to [/tmp/ckpt] ok", flush=True)
+if os.environ["RANK"] == "1":
+    raise SystemExit("RuntimeError: [/__w/pytorch/pair.cc:553] Connection closed by peer")
+print("[bold]x", flush=True)
+"""
+
+
+def test_log_lines_and_commands_are_shown_as_written_not_read_as_markup(tmp_path):
+    """A real 2-process launch whose ranks print `[/tmp/ckpt]` (a closing tag to rich), `[bold]x`, and a
+    gloo-like error `[/__w/...]`; its command carries `[/red]`. watch (--once and live) shows each as it
+    is: no MarkupError, no text swallowed."""
+    home = tmp_path / "me"
+    home.mkdir()
+    (home / "br.py").write_text(MARKUP_SCRIPT)
+    argv = [console_script(), "launch", "--gpus", "cpu", "--nproc", "2", "--set", "output.dir=runs/br"]
+    done = subprocess.run(
+        [*argv, "--", "python", "br.py", "[/red]"],
+        cwd=home, env=process_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout + done.stderr
+    p = run_user("watch", "runs/br", "--once", cwd=home, env_extra={"COLUMNS": "200"})
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    words = " ".join(p.stdout.split())
+    assert "[/__w/pytorch/pair.cc:553] Connection closed by peer" in words, p.stdout  # rank 1's error
+    assert "[bold]x" in words and "br.py '[/red]'" in words, p.stdout  # rank 0's last line; the command
+    live = subprocess.Popen(
+        [console_script(), "watch", "runs/br", "--interval", "0.2"],
+        cwd=home, env=process_env(COLUMNS="200"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2)
+    live.send_signal(signal.SIGINT)
+    out, err = live.communicate(timeout=30)
+    assert live.returncode == 0 and "Traceback" not in err, err
+    assert "[bold]x" in out, out

@@ -136,8 +136,14 @@ def _launched_header(run: Run, ln: Launched) -> Text:
     return Text(f"{run.name}  launched script  {done}  {speed}  {end}", style="bold")
 
 
+def _add(t: Table, *cells: str) -> None:
+    """One row of plain text: a log line, a command, a path or a metric's name is shown as it is, never
+    read as rich markup (`[/tmp/ckpt]` is not a closing tag, `[bold]x` is not bold x)."""
+    t.add_row(*(Text(c) for c in cells))
+
+
 def _row(t: Table, name: str, values: list[float]) -> None:
-    t.add_row(name, f"{values[-1]:.4g}" if values else "-", sparkline(values), value_range(values))
+    _add(t, name, f"{values[-1]:.4g}" if values else "-", sparkline(values), value_range(values))
 
 
 def _curves(run: Run) -> Table:
@@ -177,14 +183,16 @@ def _devices(run: Run) -> Table:
             util, used = g.get("util") or 0, g.get("mem_used") or 0
             util, used = top.get((node, "gpu", g["index"]), (util, used)) if over else (util, used)
             total = g.get("mem_total") or 1
-            t.add_row(
+            _add(
+                t,
                 f"{device_label('GPU', g['index'], node, multi)} {gpu_ranks(g, roles)}",
                 f"{bar(util / 100)} {util:>3.0f}%",
                 f"{bar(used / total)} {used / GIB:.1f}/{total / GIB:.1f} GiB",
             )
         for x in rec.get("ranks", []) if not rec.get("gpus") else []:
             cpu, rss = top.get((node, "rank", x["rank"]), (0, 0)) if over else (x["cpu_percent"], x["rss"])
-            t.add_row(
+            _add(
+                t,
                 f"{device_label('rank', x['rank'], node, multi)} {x['role']}",
                 f"{bar(cpu / 100)} {cpu:>5.0f}% cpu",
                 f"{rss / GIB:.2f} GiB rss",
@@ -197,7 +205,7 @@ def _env_servers(t: Table, run: Run, over: bool) -> None:
     """An agent run's environment servers: CPU% and memory now (their peaks once the run has ended)."""
     for label, points in env_server_series(run.devices).items():
         cpu, rss = (max(p[1] for p in points), max(p[2] for p in points)) if over else points[-1][1:]
-        t.add_row(label, f"{bar(cpu / 100)} {cpu:>5.0f}% cpu", f"{rss / GIB:.2f} GiB rss")
+        _add(t, label, f"{bar(cpu / 100)} {cpu:>5.0f}% cpu", f"{rss / GIB:.2f} GiB rss")
 
 
 def _ranks(run: Run) -> Table:
@@ -214,7 +222,7 @@ def _ranks(run: Run) -> Table:
         work = {p: last.get(f"timing/{p}{sfx}", 0.0) for p in PHASES if p not in ("comm", "other")}
         top = max(work, key=work.get)
         comm = last.get(f"timing/comm{sfx}", 0.0)
-        t.add_row(str(r), f"{step:.2f}s", f"{top} {work[top]:.2f}s", f"{comm:.2f}s")
+        _add(t, str(r), f"{step:.2f}s", f"{top} {work[top]:.2f}s", f"{comm:.2f}s")
     return t
 
 
@@ -224,16 +232,16 @@ def _launch(ln: Launched) -> Table:
     t.add_column("what")
     t.add_column("value")
     if not ln.launch:
-        t.add_row("launch.json", "not in the run folder (written by gpufleet launch)")
+        _add(t, "launch.json", "not in the run folder (written by gpufleet launch)")
         return t
-    t.add_row("command", ln.command())
-    t.add_row("processes", f"{ln.launch.get('nproc', '?')} per node x {ln.launch.get('nnodes', 1)} node(s)")
+    _add(t, "command", ln.command())
+    _add(t, "processes", f"{ln.launch.get('nproc', '?')} per node x {ln.launch.get('nnodes', 1)} node(s)")
     for name, ref, now in ln.recipe_rows():
-        t.add_row(name, f"{now}  (reference {ref})" if ref != "-" else now)
+        _add(t, name, f"{now}  (reference {ref})" if ref != "-" else now)
     env = ln.launch.get("env") or {}
     ours = {k: v for k, v in env.items() if k.startswith("GPUFLEET_")} if isinstance(env, dict) else {}
     if ours:  # the values the script reads (the report lists every variable set)
-        t.add_row("env", " ".join(f"{k}={v}" for k, v in ours.items()))
+        _add(t, "env", " ".join(f"{k}={v}" for k, v in ours.items()))
     return t
 
 
@@ -244,7 +252,7 @@ def _rank_lines(ln: Launched, width: int = 100) -> Table:
     t.add_column("last line")
     for rank, line in ln.last_lines.items():
         line = line or "(no output yet)"
-        t.add_row(str(rank), line if len(line) <= width else line[: width - 1] + "…")
+        _add(t, str(rank), line if len(line) <= width else line[: width - 1] + "…")
     return t
 
 
