@@ -66,7 +66,22 @@ def test_a_huge_prompt_is_counted_as_train_reads_it(tmp_path):
     p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "the longest over 4096 tokens (" in p.stdout, p.stdout
-    assert "fix: --set rollout.max_prompt_length=4096 or more keeps them whole" in p.stdout, p.stdout
+    assert "fix: shorten those prompts: the model has 1024 positions" in p.stdout, p.stdout  # 4096 > 1016
+
+
+def test_past_the_models_positions_the_fix_is_the_most_it_holds(tmp_path):
+    """A 3,000-token prompt on a model of 1,024 positions: no max_prompt_length keeps it whole; the fix is
+    the most the model holds beside the completions (1,024 - 8), and the context rule's fix keeps the
+    completion length the user chose."""
+    _job(tmp_path, [{"prompt": "y" * 3000}, {"prompt": "abc"}])
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert "the longest 3000 tokens" in p.stdout, p.stdout
+    assert "fix: shorten those prompts: the model has 1024 positions" in p.stdout, p.stdout
+    assert "--set rollout.max_prompt_length=1016 is the most it holds" in p.stdout, p.stdout
+    p = run_user(
+        "check", "job.yaml", "--gpus", "cpu", "--set", "rollout.max_prompt_length=3000", cwd=tmp_path
+    )
+    assert p.returncode == 2 and "fix: --set rollout.max_prompt_length=1016\n" in p.stdout, p.stdout
 
 
 def test_a_folder_names_the_file_of_the_longest_prompt(tmp_path):

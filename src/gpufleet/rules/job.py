@@ -156,6 +156,8 @@ def sequence_fits_model(ctx: Context):
             f"model's max_position_embeddings {limit}.",
             f"--set rollout.max_completion_length={max(limit - ro.max_prompt_length, 1)}"
             if limit > ro.max_prompt_length
+            else f"--set rollout.max_prompt_length={limit - ro.max_completion_length}"
+            if limit > ro.max_completion_length
             else f"--set rollout.max_prompt_length={limit // 2} --set rollout.max_completion_length={limit - limit // 2}",
         )
 

@@ -47,8 +47,22 @@ def prompts_fit_max_prompt_length(ctx: Context):
         f"{which} of {p.name}{read} {'are' if len(over) > 1 else 'is'} longer than rollout.max_prompt_length "
         f"{limit} tokens, the longest {'over ' if more else ''}{n} tokens ({where}): train keeps each prompt's "
         f"last {limit} tokens, the start of a longer one is cut.",
-        f"--set rollout.max_prompt_length={n}{' or more' if more else ''} keeps them whole (gpufleet plan shows its memory), or shorten "
-        "those prompts",
+        _fix(ctx, n, more),
+    )
+
+
+def _fix(ctx: Context, n: int, more: bool) -> str:
+    """The prompt length that keeps the longest whole, or, past the model's positions, the most it holds."""
+    positions = ctx.model.max_position_embeddings if ctx.model else None
+    room = positions - ctx.job.rollout.max_completion_length if positions else None
+    if room is not None and n > room:
+        return (
+            f"shorten those prompts: the model has {positions} positions, and with rollout.max_completion_length "
+            f"{ctx.job.rollout.max_completion_length} --set rollout.max_prompt_length={room} is the most it holds"
+        )
+    return (
+        f"--set rollout.max_prompt_length={n}{' or more' if more else ''} keeps them whole (gpufleet plan shows "
+        "its memory), or shorten those prompts"
     )
 
 
