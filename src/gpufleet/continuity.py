@@ -31,20 +31,24 @@ BREAKING = (
 def continuity(
     saved_yaml: str, saved_layout: dict, job, layout: dict, roots: Sequence[str] = ()
 ) -> tuple[list[str], list[str]]:
-    """(breaking changes, harmless changes) between the checkpoint's job and this one. A path written
+    """(breaking changes, harmless changes) between the checkpoint's job and this one, every field compared
+    with the value the saved run used: set there, or its default or derived value (written as a '#   '
+    line), or the schema default when the saved job does not name it. A path written
     two ways for the same file (relative from a flag, absolute in a `config --format yaml` export; a
     module `rewards:fn` and its file `/abs/rewards.py:fn`, found in ``roots`` as the trainer finds it)
     is no change."""
     import yaml
 
-    old = yaml.safe_load(saved_yaml) or {}
-    kept = _with_defaults(saved_yaml)
+    from gpufleet.config.schema import Job
+
+    saved = _with_defaults(saved_yaml) or yaml.safe_load(saved_yaml) or {}
+    default = Job().model_dump(mode="json")
     new = job.model_dump(mode="json")
     breaking, harmless = [], []
     for section, fields in new.items():
         for name, value in fields.items():
-            here = old if name in (old.get(section) or {}) or f"{section}.{name}" not in BREAKING else kept
-            before = (here.get(section) or {}).get(name, value)
+            # a field the saved job does not name had its default (a job saved without its '#   ' lines)
+            before = (saved.get(section) or {}).get(name, default[section].get(name))
             if before != value and not _same_place(f"{section}.{name}", before, value, roots):
                 text = f"{section}.{name}: {before!r} -> {value!r}"
                 (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)

@@ -1,0 +1,92 @@
+"""Resuming a run under a changed job, through the installed CLI from a user's folder: every change is
+said (also of a field the first run left at its default), a change that breaks the run is refused by
+check and train with a fix that works, and a finished run's model is where train says it is."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import run_user, sets
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _job(folder: Path) -> None:
+    """examples/quickstart.yaml, shrunk: 4 generations, 8 completions a step, 5 steps, a checkpoint each."""
+    text = (ROOT / "examples" / "quickstart.yaml").read_text(encoding="utf-8")
+    for a, b in (
+        ("num_generations: 8", "num_generations: 4"),
+        ("per_device_batch: 128", "per_device_batch: 8"),
+        ("max_steps: 400", "max_steps: 5"),
+        ("log_every: 20", "log_every: 1"),
+        ("dir: runs/quickstart", "dir: runs/q\n  save_every: 1"),
+    ):
+        assert a in text
+        text = text.replace(a, b)
+    (folder / "T.yaml").write_text(text, encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A user's folder holding T.yaml and runs/base: 2 steps trained, checkpoints step-1 and step-2."""
+    folder = tmp_path_factory.mktemp("user")
+    _job(folder)
+    p = gpufleet(folder, "train", *sets("train.max_steps=2", "output.dir=runs/base"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return folder
+
+
+def gpufleet(folder: Path, verb: str, *args: str):
+    return run_user(verb, "T.yaml", *args, cwd=folder, env_extra=ENV)
+
+
+@pytest.fixture
+def user(base, tmp_path) -> Path:
+    """A fresh copy of the user's folder (the run in it at the same relative path)."""
+    shutil.copytree(base, tmp_path / "u")
+    return tmp_path / "u"
+
+
+def test_a_change_of_a_field_left_at_its_default_is_said_and_applied(user):
+    """The first run left algorithm.beta, train.lr_scheduler, model.dtype and train.micro_batch at their
+    default (or derived) values: resuming with them set says each change (it said none: a field missing
+    from the saved job was taken as unchanged); a breaking one (train.steps_per_generation) is refused."""
+    changes = (
+        "algorithm.beta=0.04",
+        "train.lr_scheduler=cosine",
+        "model.dtype=bfloat16",
+        "train.micro_batch=4",
+    )
+    p = gpufleet(user, "train", *sets("output.dir=runs/base", "train.max_steps=3", *changes))
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = next(line for line in p.stdout.splitlines() if line.startswith("resuming from"))
+    for text in (
+        "algorithm.beta: 0.0 -> 0.04",
+        "train.lr_scheduler: 'constant' -> 'cosine'",
+        "model.dtype: 'auto' -> 'bfloat16'",
+        "train.micro_batch: 8 -> 4",
+        "train.max_steps: 2 -> 3",
+    ):
+        assert text in said, said
+    assert "output.dir" not in said  # nothing else changed
+    for verb in ("check", "train"):
+        p = gpufleet(user, verb, *sets("output.dir=runs/base", "train.steps_per_generation=2"))
+        assert p.returncode == 2 and "train.steps_per_generation: 1 -> 2" in p.stdout + p.stderr, (
+            p.stdout + p.stderr
+        )
+
+
+def test_a_saved_job_without_its_default_lines_is_read_with_the_schema_defaults(user):
+    """A checkpoint whose job.yaml names only the fields set (no '#   ' default lines): a field it does
+    not name had its default, so setting it is a change (said, or refused when it breaks the run)."""
+    ckpt = user / "runs" / "base" / "checkpoints" / "step-2" / "job.yaml"
+    ckpt.write_text(
+        "".join(x for x in ckpt.read_text(encoding="utf-8").splitlines(True) if "#   " not in x),
+        encoding="utf-8",
+    )
+    p = gpufleet(user, "check", *sets("output.dir=runs/base", "algorithm.num_iterations=2"))
+    assert p.returncode == 2 and "algorithm.num_iterations: 1 -> 2" in p.stdout, p.stdout + p.stderr
