@@ -195,7 +195,7 @@ def test_trl_names_point_at_gpufleet_fields(tmp_path):
     expect = {
         "train.gradient_accumulation_steps": (
             "gpufleet's is `train.micro_batch`",
-            "set train.micro_batch to train.per_device_batch / 4",
+            "write `per_device_batch: 32` and `micro_batch: 8` under `train:`",  # TRL's default batch 8, x 4
         ),
         "train.logging_steps": ("gpufleet's is `train.log_every`", "write `log_every: 5` under `train:`"),
         "train.bf16": ("gpufleet's is `train.precision`", "write `precision: bf16` under `train:`"),
@@ -270,6 +270,78 @@ def test_trl_names_from_flags_and_the_environment(tmp_path):
     assert "fix: --set train.max_steps=3" in said["max_steps"]  # gpufleet's name too, without its section
     # in script: (gpufleet launch's recipe) TRL's name points at the script's own field
     assert "gpufleet's is `script.per_device_batch`" in said["script.per_device_train_batch_size"]
+
+
+BATCH_JOB = """\
+model:
+  path: builtin:tiny-qwen2
+data:
+  path: data.jsonl
+reward:
+  functions: [rewards.py:short]
+algorithm:
+  num_generations: 16
+train:
+  max_steps: 2
+  per_device_train_batch_size: 4
+  gradient_accumulation_steps: 4
+"""
+
+
+def _apply(job: str, fix: str) -> str:
+    """The job with a printed `write `a: 1` and `b: 2` under `train:` instead` fix done, the TRL names gone."""
+    lines = [
+        line
+        for line in job.splitlines()
+        if not re.match(r"  (per_device_train_batch_size|gradient_acc)", line)
+    ]
+    fields = re.findall(r"`(\w+: \d+)`", fix.split(" under ", 1)[0])
+    at = lines.index("train:") + 1
+    return "\n".join(lines[:at] + [f"  {f}" for f in fields] + lines[at:]) + "\n"
+
+
+def test_trl_batch_names_map_to_the_same_batch(tmp_path):
+    """TRL's per_device_train_batch_size counts one forward pass; x gradient_accumulation_steps is gpufleet's
+    per_device_batch (one optimizer step), TRL's value its micro_batch: the printed fix, done as printed, is a
+    job check accepts with the same generation batch TRL makes (4 x 1 x 4 = 16, num_generations 16)."""
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "say hi {i}"}}\n' for i in range(8)))
+    (tmp_path / "rewards.py").write_text(
+        "def short(completions, **kw):\n    return [-len(c) for c in completions]\n"
+    )
+    (tmp_path / "job.yaml").write_text(BATCH_JOB)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    said = _blocks(p.stdout)
+    fix = "fix: write `per_device_batch: 16` and `micro_batch: 4` under `train:` instead"
+    for key in ("train.per_device_train_batch_size", "train.gradient_accumulation_steps"):
+        assert fix in said[key], said[key]
+    (tmp_path / "job.yaml").write_text(_apply(BATCH_JOB, fix))
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "generation batch 16 = 16 per device x 1 policy rank x 1 step" in p.stdout, p.stdout
+    assert "micro-batch 4 (4 accumulation steps)" in p.stdout, p.stdout
+    # TRL's steps_per_generation counts forward passes: 8 of them with accumulation 4 are 2 optimizer steps
+    flags = ["--set", "per_device_train_batch_size=2", "--set", "train.gradient_accumulation_steps=4"]
+    p = run_user(
+        "check", "job.yaml", "--gpus", "cpu", *flags, "--set", "train.steps_per_generation=8", cwd=tmp_path
+    )
+    want = "fix: --set train.per_device_batch=8 --set train.micro_batch=2 --set train.steps_per_generation=2 instead"
+    assert want in _blocks(p.stdout)["per_device_train_batch_size"], p.stdout
+    # not a multiple of the accumulation: refused, with the nearest whole optimizer steps
+    p = run_user(
+        "check", "job.yaml", "--gpus", "cpu", *flags, "--set", "train.steps_per_generation=6", cwd=tmp_path
+    )
+    block = _blocks(p.stdout)["train.gradient_accumulation_steps"]
+    assert (
+        "--set train.steps_per_generation=1 instead (steps_per_generation 1 or 2, i.e. TRL's 4 or 8: "
+        in block
+    )
+    assert "TRL's 6 is not a multiple of gradient_accumulation_steps 4" in block, block
+    # from the environment, with TRL's default per-device batch (8)
+    env = {"GPUFLEET_TRAIN__GRADIENT_ACCUMULATION_STEPS": "2"}
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path, env_extra=env)
+    block = _blocks(p.stdout)["train.gradient_accumulation_steps"]
+    assert "fix: GPUFLEET_TRAIN__PER_DEVICE_BATCH=16 GPUFLEET_TRAIN__MICRO_BATCH=8 instead" in block, block
 
 
 def test_fields_without_effect_are_warned_about(tmp_path):

@@ -16,6 +16,8 @@ import yaml
 
 from gpufleet.config.problems import FieldRef, Problem, Source, format_value
 from gpufleet.config.schema import SECTIONS, field_paths
+from gpufleet.config.trl import batch, lookup
+from gpufleet.config.trl import given as trl_given
 from gpufleet.errors import UserError
 
 ENV_PREFIX = "GPUFLEET_"
@@ -23,11 +25,13 @@ _NULLS = ("null", "none", "~")
 _NO_VALUE = object()
 
 
-def _unknown_key(key: str, src: Source, section: str | None, value: Any = _NO_VALUE) -> Problem:
+def _unknown_key(
+    key: str, src: Source, section: str | None, value: Any = _NO_VALUE, given: Mapping[str, Any] | None = None
+) -> Problem:
     """An unknown key: TRL's name for a gpufleet field (gpufleet.config.trl) says which; otherwise a "did
-    you mean" from the same section first, then any section."""
+    you mean" from the same section first, then any section. `given`: the layer's TRL batch names (trl.given)."""
     shown = key if section is None else f"{section}.{key}"
-    trl = _trl_problem(key, shown, section, value, src)
+    trl = _trl_problem(key, shown, section, value, src, given)
     if trl is not None:
         return trl
     paths = field_paths()
@@ -63,12 +67,13 @@ def unknown_name(name: str, src: Source) -> Problem:
     return _unknown_key(name, src, None)
 
 
-def _trl_problem(key: str, shown: str, section: str | None, value: Any, src: Source) -> Problem | None:
-    """`shown` is TRL's option `key`: gpufleet's field for it and the value to write there, or that gpufleet
-    has none. In `script:` (a `gpufleet launch` recipe) a TRL name points at the script's own field when it
-    has one, and is otherwise left to the "did you mean"."""
-    from gpufleet.config.trl import lookup
-
+def _trl_problem(
+    key: str, shown: str, section: str | None, value: Any, src: Source, given: Mapping[str, Any] | None = None
+) -> Problem | None:
+    """`shown` is TRL's option `key`: gpufleet's field for it and the value to write there (TRL's batch names
+    computed together with the others of the layer, `given`: trl.batch), or that gpufleet has none. In
+    `script:` (a `gpufleet launch` recipe) a TRL name points at the script's own field when it has one, and
+    is otherwise left to the "did you mean"."""
     option = lookup(key)
     if option is None:
         return None
@@ -89,8 +94,12 @@ def _trl_problem(key: str, shown: str, section: str | None, value: Any, src: Sou
     converted = None
     if value is not _NO_VALUE and option.convert is not None:
         converted = option.convert(value)
-    if converted is not None:
-        fix = _write(target, converted, src)
+    joint = None if value is _NO_VALUE or section == "script" else batch(key, {**(given or {}), key: value})
+    if joint is not None:
+        fields, note = joint
+        fix = _write(fields, src) + (f" ({note})" if note else "") if fields else note
+    elif converted is not None:
+        fix = _write({target: converted}, src)
     elif option.fix and value is not _NO_VALUE:
         fix = option.fix.format(value=format_value(value))
     else:
@@ -98,15 +107,21 @@ def _trl_problem(key: str, shown: str, section: str | None, value: Any, src: Sou
     return Problem("error", ref, why, fix, {"suggestion": target})
 
 
-def _write(path: str, value: Any, src: Source) -> str:
-    """How to give `path` the value `value` in the layer `src` came from."""
-    section, name = path.split(".", 1)
-    text = format_value(value)
+def _write(values: Mapping[str, Any], src: Source) -> str:
+    """How to give each `section.field` of `values` its value in the layer `src` came from."""
+    texts = {path: format_value(value) for path, value in values.items()}
     if src.kind == "env":
-        return f"{ENV_PREFIX}{section.upper()}__{name.upper()}={text.replace(' ', '')} instead"
+        said = (f"{ENV_PREFIX}{p.replace('.', '__').upper()}={t.replace(' ', '')}" for p, t in texts.items())
+        return " ".join(said) + " instead"
     if src.kind == "flag":
-        return f"--set {path}={text.replace(' ', '')} instead"
-    return f"write `{name}: {text}` under `{section}:` instead"
+        return " ".join(f"--set {p}={t.replace(' ', '')}" for p, t in texts.items()) + " instead"
+    sections = dict.fromkeys(p.split(".", 1)[0] for p in texts)
+    under = [
+        " and ".join(f"`{p.split('.', 1)[1]}: {t}`" for p, t in texts.items() if p.startswith(s + "."))
+        + f" under `{s}:`"
+        for s in sections
+    ]
+    return "write " + ", and ".join(under) + " instead"
 
 
 def _ratio(a: str, b: str) -> float:
@@ -120,12 +135,12 @@ def _owner(field_name: str) -> str:
     return field_name
 
 
-def _add(layer, problems, section: Any, key: Any, value: Any, src: Source) -> None:
+def _add(layer, problems, section: Any, key: Any, value: Any, src: Source, given=None) -> None:
     section_s, key_s = str(section), str(key)
     if section_s not in SECTIONS:
         problems.append(_unknown_key(section_s, src, None))
     elif key_s not in SECTIONS[section_s].model_fields:
-        problems.append(_unknown_key(key_s, src, section_s, value))
+        problems.append(_unknown_key(key_s, src, section_s, value, given))
     else:
         layer[f"{section_s}.{key_s}"] = (value, src)
 
@@ -217,6 +232,7 @@ def file_layer(path: Path, problems: list[Problem], text: str | None = None) -> 
         )
     lines = _line_numbers(node)
     layer: dict[str, tuple[Any, Source]] = {}
+    given = trl_given([(None, str(s), b) for s, b in data.items()] + _entries(data))
     for section, body in data.items():
         where = f"{path}:{lines.get((str(section),), 1)}"
         if str(section) in SECTIONS and not isinstance(body, dict):
@@ -232,12 +248,19 @@ def file_layer(path: Path, problems: list[Problem], text: str | None = None) -> 
             )
             continue
         if str(section) not in SECTIONS:
-            problems.append(_unknown_key(str(section), Source("file", where), None, body))
+            problems.append(_unknown_key(str(section), Source("file", where), None, body, given))
             continue
         for key, value in body.items():
             src = Source("file", f"{path}:{lines.get((str(section), str(key)), 1)}")
-            _add(layer, problems, section, key, value, src)
+            _add(layer, problems, section, key, value, src, given)
     return layer
+
+
+def _entries(data: dict) -> list[tuple[str, str, Any]]:
+    """(section, key, value) of each field of the job file's sections."""
+    return [
+        (str(s), str(k), v) for s, body in data.items() if isinstance(body, dict) for k, v in body.items()
+    ]
 
 
 def _line_numbers(node) -> dict[tuple, int]:
@@ -281,11 +304,12 @@ def _choices(section: str, key: str) -> set[str]:
 
 def env_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
     layer: dict[str, tuple[Any, Source]] = {}
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue  # GPUFLEET_CACHE and friends are settings, not job fields
-        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
-        _add(layer, problems, section, key, _parse_text(env[name], section, key), Source("env", name))
+    # GPUFLEET_CACHE and friends are settings, not job fields
+    names = [n for n in sorted(env) if n.startswith(ENV_PREFIX) and "__" in n]
+    entries = [(*n[len(ENV_PREFIX) :].lower().partition("__")[::2], env[n]) for n in names]
+    given = trl_given(entries)
+    for name, (section, key, value) in zip(names, entries, strict=True):
+        _add(layer, problems, section, key, _parse_text(value, section, key), Source("env", name), given)
     return layer
 
 
@@ -304,12 +328,13 @@ def slurm_layer(env: Mapping[str, str], problems: list[Problem]) -> dict[str, tu
 
 def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[Any, Source]]:
     layer: dict[str, tuple[Any, Source]] = {}
+    given = trl_given(_set_entries(sets))
     for item in sets:
         path, eq, value = item.partition("=")
         section, dot, key = path.strip().partition(".")
         src = Source("flag", f"--set {item}")
         if eq and not dot and section:
-            trl = _trl_problem(section.strip(), section.strip(), None, _parse_text(value), src)
+            trl = _trl_problem(section.strip(), section.strip(), None, _parse_text(value), src, given)
             if trl is not None:  # `--set bf16=true`: TRL's name, without a section
                 problems.append(trl)
                 continue
@@ -325,5 +350,15 @@ def flag_layer(sets: Sequence[str], problems: list[Problem]) -> dict[str, tuple[
                 )
             )
             continue
-        _add(layer, problems, section, key.strip(), _parse_text(value, section, key.strip()), src)
+        _add(layer, problems, section, key.strip(), _parse_text(value, section, key.strip()), src, given)
     return layer
+
+
+def _set_entries(sets: Sequence[str]) -> list[tuple[str | None, str, str]]:
+    """(section or None, key, value) of each `--set section.field=value` / `--set name=value`."""
+    out: list[tuple[str | None, str, str]] = []
+    for item in sets:
+        path, _, value = item.partition("=")
+        section, dot, key = path.strip().partition(".")
+        out.append((section.strip(), key.strip(), value) if dot else (None, section.strip(), value))
+    return out

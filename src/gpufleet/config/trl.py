@@ -11,7 +11,7 @@ guessed at. No torch import.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,19 +221,25 @@ OPTIONS: dict[str, TrlOption] = {
     "vllm_importance_sampling_clip_max": _at("algorithm.importance_sampling_clip_max"),
     "vllm_importance_sampling_clip_min": _at("algorithm.importance_sampling_clip_min"),
     "vllm_importance_sampling_cap": _at("algorithm.importance_sampling_clip_max", "TRL's deprecated name"),
-    "per_device_train_batch_size": _at("train.per_device_batch", "completions per device, as in TRL"),
+    "per_device_train_batch_size": _at(
+        "train.per_device_batch",
+        "TRL's counts the completions of one forward pass, gpufleet's those of one optimizer step: TRL's x "
+        "gradient_accumulation_steps; TRL's own value is train.micro_batch",
+    ),
     "gradient_accumulation_steps": _at(
         "train.micro_batch",
         "gpufleet accumulates per_device_batch / micro_batch micro-batches per optimizer step",
         None,
-        "set train.micro_batch to train.per_device_batch / {value}",
     ),
     "generation_batch_size": _none(
         "it is derived as train.per_device_batch x policy ranks x train.steps_per_generation "
         "(gpufleet check prints it)",
         "remove it; set train.per_device_batch (and train.steps_per_generation) instead",
     ),
-    "steps_per_generation": _at("train.steps_per_generation"),
+    "steps_per_generation": _at(
+        "train.steps_per_generation",
+        "gpufleet counts optimizer steps, TRL forward passes: TRL's / gradient_accumulation_steps",
+    ),
     "learning_rate": _at("train.learning_rate"),
     "lr_scheduler_type": _at(
         "train.lr_scheduler",
@@ -348,3 +354,68 @@ def lookup(name: str) -> TrlOption | None:
         if key.startswith(prefix):
             return option
     return None
+
+
+BATCH = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "per_device_batch",
+)
+"""The names whose gpufleet values are computed together (`batch`): TRL's batch per forward pass, its
+accumulation and its steps_per_generation (forward passes), and gpufleet's per_device_batch beside them."""
+
+
+def given(entries: Iterable[tuple[str | None, str, Any]]) -> dict[str, Any]:
+    """The BATCH names among a layer's (section, key, value) entries (not script:'s, a launch recipe's own)."""
+    return {key: value for section, key, value in entries if key in BATCH and section != "script"}
+
+
+def _count(value: Any) -> int | None:
+    """A count >= 1 as a job file, a flag or the environment gives it; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = int(str(value).strip()) if isinstance(value, str) else value
+    except ValueError:
+        return None
+    return number if isinstance(number, int) and number >= 1 else None
+
+
+def batch(key: str, values: Mapping[str, Any]) -> tuple[dict[str, int], str] | None:
+    """gpufleet's train fields for TRL's batch names given together in one layer (`values`, from `given`):
+    per_device_batch = per_device_train_batch_size x gradient_accumulation_steps (completions per optimizer
+    step), micro_batch = per_device_train_batch_size (per forward pass), steps_per_generation = TRL's (forward
+    passes; default: gradient_accumulation_steps) / gradient_accumulation_steps (optimizer steps); TRL's
+    defaults (8, 1) where one is not given. Returns (fields to write, a note on them, or the fix when there
+    are none); None when `key` is not one of TRL's batch names or a value is no count."""
+    if key not in BATCH[:2]:
+        return None
+    counts = {name: _count(v) for name, v in values.items()}
+    if any(n is None for n in counts.values()):
+        return None
+    accumulation = counts.get("gradient_accumulation_steps", 1)
+    mine = counts.get("per_device_batch")
+    if "per_device_train_batch_size" not in counts and mine is not None:  # gpufleet's batch beside
+        if mine % accumulation:
+            divisors = ", ".join(str(d) for d in range(1, mine + 1) if mine % d == 0)
+            why = f"train.per_device_batch {mine} is not {accumulation} equal micro-batches"
+            return {}, f"set train.micro_batch to a divisor of {mine} ({divisors}): {why}"
+        return {"train.micro_batch": mine // accumulation}, ""
+    per_pass = counts.get("per_device_train_batch_size", 8)
+    out = {"train.per_device_batch": per_pass * accumulation}
+    if accumulation > 1:
+        out["train.micro_batch"] = per_pass
+    passes = counts.get("steps_per_generation", accumulation)
+    if passes % accumulation == 0:
+        if passes != accumulation or "steps_per_generation" in counts:
+            out["train.steps_per_generation"] = passes // accumulation
+        return out, ""
+    low = max(1, passes // accumulation)
+    out["train.steps_per_generation"] = low
+    other = f" or {low + 1}" if passes > accumulation else ""
+    trls = f"{low * accumulation}{f' or {(low + 1) * accumulation}' if other else ''}"
+    return out, (
+        f"steps_per_generation {low}{other}, i.e. TRL's {trls}: TRL's {passes} is not a multiple of "
+        f"gradient_accumulation_steps {accumulation}, and gpufleet generates for whole optimizer steps"
+    )
