@@ -60,6 +60,7 @@ def test_a_change_of_a_field_left_at_its_default_is_said_and_applied(user):
         "train.lr_scheduler=cosine",
         "model.dtype=bfloat16",
         "train.micro_batch=4",
+        "model.lora_alpha=8",  # no adapter (model.use_peft false): no effect, said
     )
     p = gpufleet(user, "train", *sets("output.dir=runs/base", "train.max_steps=3", *changes))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -70,6 +71,7 @@ def test_a_change_of_a_field_left_at_its_default_is_said_and_applied(user):
         "model.dtype: 'auto' -> 'bfloat16'",
         "train.micro_batch: 8 -> 4",
         "train.max_steps: 2 -> 3",
+        "model.lora_alpha: 32 -> 8",
     ):
         assert text in said, said
     assert "output.dir" not in said  # nothing else changed
@@ -90,3 +92,20 @@ def test_a_saved_job_without_its_default_lines_is_read_with_the_schema_defaults(
     )
     p = gpufleet(user, "check", *sets("output.dir=runs/base", "algorithm.num_iterations=2"))
     assert p.returncode == 2 and "algorithm.num_iterations: 1 -> 2" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_lora_setting_changed_on_resume_is_refused(tmp_path):
+    """lora_alpha and lora_dropout come back from the saved adapter (its adapter_config.json): a change was
+    said and written into the run's job.yaml, but not applied. Refused now, by check and train."""
+    _job(tmp_path)
+    lora = ("model.use_peft=true", "output.dir=runs/lora")
+    p = gpufleet(tmp_path, "train", *sets(*lora, "train.max_steps=1"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for verb, change, said in (
+        ("check", "model.lora_alpha=8", "model.lora_alpha: 32 -> 8"),
+        ("train", "model.lora_alpha=8", "model.lora_alpha: 32 -> 8"),
+        ("check", "model.lora_dropout=0", "model.lora_dropout: 0.05 -> 0"),
+    ):
+        p = gpufleet(tmp_path, verb, *sets(*lora, "train.max_steps=2", change))
+        assert p.returncode == 2 and said in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "lora_alpha: 32" in (tmp_path / "runs" / "lora" / "job.yaml").read_text(encoding="utf-8")

@@ -21,7 +21,9 @@ BREAKING = (
     "reward.functions",
     "reward.model",
     "model.use_peft",  # the checkpoint holds an adapter, or the whole model
-    "model.lora_r",
+    "model.lora_r",  # lora_*: the adapter comes back as saved (its adapter_config.json), so a change
+    "model.lora_alpha",  # would be said and not applied; breaking only with model.use_peft
+    "model.lora_dropout",
     "model.lora_target_modules",
     "env.name",
     "env.kwargs",
@@ -51,13 +53,18 @@ def continuity(
             before = (saved.get(section) or {}).get(name, default[section].get(name))
             if before != value and not _same_place(f"{section}.{name}", before, value, roots):
                 text = f"{section}.{name}: {before!r} -> {value!r}"
-                (breaking if f"{section}.{name}" in BREAKING else harmless).append(text)
+                (breaking if _breaks(f"{section}.{name}", new) else harmless).append(text)
     if saved_layout.get("global_batch") != layout.get("global_batch"):
         breaking.append(
             f"global batch (per_device_batch x policy ranks): {saved_layout.get('global_batch')} -> "
             f"{layout.get('global_batch')}"
         )
     return breaking, harmless
+
+
+def _breaks(field: str, new: dict) -> bool:
+    """Whether a change of `field` breaks the run (a LoRA setting only when the policy is an adapter)."""
+    return field in BREAKING and (not field.startswith("model.lora_") or bool(new["model"]["use_peft"]))
 
 
 def against(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> tuple[list[str], list[str]]:
