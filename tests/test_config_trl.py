@@ -344,6 +344,36 @@ def test_trl_batch_names_map_to_the_same_batch(tmp_path):
     assert "fix: GPUFLEET_TRAIN__PER_DEVICE_BATCH=16 GPUFLEET_TRAIN__MICRO_BATCH=8 instead" in block, block
 
 
+def test_trl_values_get_a_fix_that_works(tmp_path):
+    """TRL's values for options gpufleet spells otherwise (scale_rewards true / false, a warmup_steps fraction,
+    use_vllm true) are refused with gpufleet's value in TRL's meaning, and the job with the fix done passes."""
+    job = "train:\n  max_steps: 30\n  warmup_steps: 0.1\nalgorithm:\n  scale_rewards: false\n"
+    (tmp_path / "job.yaml").write_text(job)
+    flags = ["--set", "algorithm.scale_rewards=true", "--set", "rollout.use_vllm=true"]
+    p = run_user("check", "job.yaml", "--gpus", "cpu", *flags, cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    said = _blocks(p.stdout)
+    warmup = said["train.warmup_steps"]
+    assert (
+        "TRL reads warmup_steps 0.1 as a fraction of the run (0.1 x train.max_steps 30 = 3 steps)" in warmup
+    )
+    assert "fix: write `warmup_steps: 3` at job.yaml:3" in warmup, warmup
+    scale = [b for b in p.stdout.split("\nerror: ") if b.startswith("algorithm.scale_rewards")]
+    assert "fix: --set algorithm.scale_rewards=group" in scale[0], (
+        scale
+    )  # the flag's true, then the file's false
+    assert (
+        "TRL's scale_rewards false means none" in scale[1]
+        and "scale_rewards: none` at job.yaml:5" in scale[1]
+    )
+    vllm = said["rollout.use_vllm"]
+    assert "fix: remove it: vLLM is not available yet; gpufleet samples with its own batched decoder" in vllm
+    assert "engine=vllm" not in vllm and "engine: vllm" not in p.stdout, vllm
+    (tmp_path / "job.yaml").write_text(job.replace("0.1", "3").replace("false", "none"))
+    p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "algorithm.scale_rewards=group", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_fields_without_effect_are_warned_about(tmp_path):
     job = "train:\n  max_steps: 2\nenv:\n  reward_weight: 0.5\nscript:\n  per_device_batch: 4\n"
     (tmp_path / "job.yaml").write_text(job)

@@ -16,8 +16,9 @@ import yaml
 
 from gpufleet.config.problems import FieldRef, Problem, Source, format_value
 from gpufleet.config.schema import SECTIONS, field_paths
-from gpufleet.config.trl import batch, lookup
-from gpufleet.config.trl import given as trl_given
+from gpufleet.config.trl import lookup
+from gpufleet.config.trl_values import batch
+from gpufleet.config.trl_values import given as trl_given
 from gpufleet.errors import UserError
 
 ENV_PREFIX = "GPUFLEET_"

@@ -257,7 +257,26 @@ def _validate_section(name, cls, candidates, problems):
                 raise
             for fld, e in bad.items():
                 value, src = candidates[fld].pop(0)
-                problems.append(_value_problem(f"{name}.{fld}", cls.model_fields[fld], value, src, e))
+                trl = _trl_value(f"{name}.{fld}", value, src, cls, values)
+                problems.append(trl or _value_problem(f"{name}.{fld}", cls.model_fields[fld], value, src, e))
+
+
+def _trl_value(path: str, value: Any, src: Source, cls, values: dict[str, Any]) -> Problem | None:
+    """A refused value that is TRL's for its option of the same name: what TRL means, and gpufleet's value for
+    it (gpufleet.config.trl.value)."""
+    from gpufleet.config.trl_values import value as trl_value
+
+    defaults = {f: info.get_default(call_default_factory=True) for f, info in cls.model_fields.items()}
+    found = trl_value(path, value, {**defaults, **values})
+    if found is None:
+        return None
+    mine, why = found
+    return Problem(
+        "error",
+        [FieldRef(path, value, src)],
+        why + ".",
+        _how(path, mine, src),
+    )
 
 
 def _value_problem(path: str, info, value: Any, src: Source, errors: list[dict]) -> Problem:

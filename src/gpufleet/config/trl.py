@@ -5,13 +5,13 @@ fields a GRPO job sets) and where each lives in a gpufleet job file: the guide's
 
 A job file key gpufleet does not know whose name is TRL's (`train.gradient_accumulation_steps`,
 `output.save_steps`, a top-level `bf16:`) is reported with gpufleet's field for it, and the value to write
-there where it can be computed; an option gpufleet has no equivalent for is named as such, never
-guessed at. No torch import.
+there where it can be computed (with the other settings it depends on: trl_values.py); an option gpufleet has
+no equivalent for is named as such, never guessed at. No torch import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _bool(value: Any) -> bool | None:
+def as_bool(value: Any) -> bool | None:
     """A YAML bool, or one given as text by a flag or the environment; None for anything else."""
     if isinstance(value, bool):
         return value
@@ -41,15 +41,16 @@ def _bool(value: Any) -> bool | None:
 
 
 def _precision(name: str) -> Callable[[Any], Any]:
-    return lambda value: None if _bool(value) is None else (name if _bool(value) else "fp32")
+    return lambda value: None if as_bool(value) is None else (name if as_bool(value) else "fp32")
 
 
 def _engine(value: Any) -> Any:
-    return None if _bool(value) is None else ("vllm" if _bool(value) else "hf")
+    """`use_vllm: false` is rollout.engine: hf; true has no value to copy (vLLM is not available yet)."""
+    return "hf" if as_bool(value) is False else None
 
 
 def _resume(value: Any) -> Any:
-    on = _bool(value)
+    on = as_bool(value)
     if on is not None:
         return "auto" if on else "never"
     return value if isinstance(value, str) else None
@@ -62,7 +63,7 @@ def _vllm_mode(value: Any) -> Any:
 
 def _fsdp(value: Any) -> Any:
     """TRL's `fsdp` (a bool, or a string of FSDP options such as `full_shard auto_wrap`)."""
-    on = _bool(value)
+    on = as_bool(value)
     if on is None and isinstance(value, str):
         on = bool(value.strip())
     return None if on is None else ("fsdp" if on else "ddp")
@@ -189,7 +190,14 @@ OPTIONS: dict[str, TrlOption] = {
         "under placement.strategy: fsdp sampling runs the sharded model, each layer gathered as it runs "
         "(TRL's False); a whole copy samples on dedicated rollout ranks (placement.rollout device ids)"
     ),
-    "use_vllm": _at("rollout.engine", "hf or vllm; vllm is not available yet", _engine),
+    "use_vllm": _at(
+        "rollout.engine",
+        "hf or vllm; vllm is not available yet",
+        _engine,
+        "remove it: vLLM is not available yet; gpufleet samples with its own batched decoder and KV cache "
+        "(rollout.engine: hf, the default), on the policy's ranks or on dedicated rollout ranks "
+        "(placement.rollout device ids)",
+    ),
     "vllm_mode": _at(
         "placement.rollout",
         "where sampling runs: colocate, or the device ids of dedicated rollout ranks that the job starts "
@@ -354,68 +362,3 @@ def lookup(name: str) -> TrlOption | None:
         if key.startswith(prefix):
             return option
     return None
-
-
-BATCH = (
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "steps_per_generation",
-    "per_device_batch",
-)
-"""The names whose gpufleet values are computed together (`batch`): TRL's batch per forward pass, its
-accumulation and its steps_per_generation (forward passes), and gpufleet's per_device_batch beside them."""
-
-
-def given(entries: Iterable[tuple[str | None, str, Any]]) -> dict[str, Any]:
-    """The BATCH names among a layer's (section, key, value) entries (not script:'s, a launch recipe's own)."""
-    return {key: value for section, key, value in entries if key in BATCH and section != "script"}
-
-
-def _count(value: Any) -> int | None:
-    """A count >= 1 as a job file, a flag or the environment gives it; None for anything else."""
-    if isinstance(value, bool):
-        return None
-    try:
-        number = int(str(value).strip()) if isinstance(value, str) else value
-    except ValueError:
-        return None
-    return number if isinstance(number, int) and number >= 1 else None
-
-
-def batch(key: str, values: Mapping[str, Any]) -> tuple[dict[str, int], str] | None:
-    """gpufleet's train fields for TRL's batch names given together in one layer (`values`, from `given`):
-    per_device_batch = per_device_train_batch_size x gradient_accumulation_steps (completions per optimizer
-    step), micro_batch = per_device_train_batch_size (per forward pass), steps_per_generation = TRL's (forward
-    passes; default: gradient_accumulation_steps) / gradient_accumulation_steps (optimizer steps); TRL's
-    defaults (8, 1) where one is not given. Returns (fields to write, a note on them, or the fix when there
-    are none); None when `key` is not one of TRL's batch names or a value is no count."""
-    if key not in BATCH[:2]:
-        return None
-    counts = {name: _count(v) for name, v in values.items()}
-    if any(n is None for n in counts.values()):
-        return None
-    accumulation = counts.get("gradient_accumulation_steps", 1)
-    mine = counts.get("per_device_batch")
-    if "per_device_train_batch_size" not in counts and mine is not None:  # gpufleet's batch beside
-        if mine % accumulation:
-            divisors = ", ".join(str(d) for d in range(1, mine + 1) if mine % d == 0)
-            why = f"train.per_device_batch {mine} is not {accumulation} equal micro-batches"
-            return {}, f"set train.micro_batch to a divisor of {mine} ({divisors}): {why}"
-        return {"train.micro_batch": mine // accumulation}, ""
-    per_pass = counts.get("per_device_train_batch_size", 8)
-    out = {"train.per_device_batch": per_pass * accumulation}
-    if accumulation > 1:
-        out["train.micro_batch"] = per_pass
-    passes = counts.get("steps_per_generation", accumulation)
-    if passes % accumulation == 0:
-        if passes != accumulation or "steps_per_generation" in counts:
-            out["train.steps_per_generation"] = passes // accumulation
-        return out, ""
-    low = max(1, passes // accumulation)
-    out["train.steps_per_generation"] = low
-    other = f" or {low + 1}" if passes > accumulation else ""
-    trls = f"{low * accumulation}{f' or {(low + 1) * accumulation}' if other else ''}"
-    return out, (
-        f"steps_per_generation {low}{other}, i.e. TRL's {trls}: TRL's {passes} is not a multiple of "
-        f"gradient_accumulation_steps {accumulation}, and gpufleet generates for whole optimizer steps"
-    )
