@@ -109,3 +109,20 @@ def test_a_lora_setting_changed_on_resume_is_refused(tmp_path):
         p = gpufleet(tmp_path, verb, *sets(*lora, "train.max_steps=2", change))
         assert p.returncode == 2 and said in p.stdout + p.stderr, p.stdout + p.stderr
     assert "lora_alpha: 32" in (tmp_path / "runs" / "lora" / "job.yaml").read_text(encoding="utf-8")
+
+
+def test_the_fix_of_a_refused_resume_from_a_named_checkpoint_starts_a_new_run(user):
+    """output.resume names a checkpoint: the fix `--set output.dir=runs/q-2` alone resumed it again (and
+    was refused again, with runs/q-2-2). The fix said now starts a new run, in a folder that holds none."""
+    import shlex
+
+    (user / "runs" / "q-2").mkdir(parents=True)
+    (user / "runs" / "q-2" / "metrics.jsonl").write_text("")  # taken: the fix names another folder
+    asked = sets("output.resume=runs/base/checkpoints/step-2", "train.seed=3")
+    p = gpufleet(user, "check", *asked)
+    assert p.returncode == 2 and "train.seed: 0 -> 3" in p.stdout, p.stdout + p.stderr
+    fix = shlex.split(p.stdout.split("start a new run: ", 1)[1].splitlines()[0])
+    assert fix == sets("output.dir=runs/q-3", "output.resume=auto")
+    p = gpufleet(user, "train", *asked, *fix, "--set", "train.max_steps=1")
+    assert p.returncode == 0 and "resuming" not in p.stdout, p.stdout + p.stderr
+    assert (user / "runs" / "q-3" / "final" / "model.safetensors").is_file()

@@ -62,6 +62,21 @@ def continuity(
     return breaking, harmless
 
 
+def new_run(output) -> str:
+    """The flags that start a new run instead of resuming (the fix of a refused resume): an output.dir
+    beside this one that holds nothing yet (`runs/x-2`, else -3, ...; `runs/x-2` itself gives `runs/x-3`),
+    and, when output.resume names a checkpoint, output.resume=auto (a named checkpoint is resumed into
+    any output.dir; auto in an empty one starts at step 0)."""
+    import re
+
+    stem = re.sub(r"-\d+$", "", output.dir.rstrip("/")) or output.dir
+    k = 2
+    while (d := user_path(f"{stem}-{k}")).exists() and (not d.is_dir() or any(d.iterdir())):
+        k += 1
+    auto = " --set output.resume=auto" if output.resume not in ("auto", "never") else ""
+    return f"--set output.dir={stem}-{k}{auto}"
+
+
 def _breaks(field: str, new: dict) -> bool:
     """Whether a change of `field` breaks the run (a LoRA setting only when the policy is an adapter)."""
     return field in BREAKING and (not field.startswith("model.lora_") or bool(new["model"]["use_peft"]))

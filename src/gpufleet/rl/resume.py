@@ -103,8 +103,7 @@ def check(ckpt: Path, job, global_batch: int, roots: Sequence[str] = ()) -> list
         raise UserError(
             f"cannot resume {ckpt}: the job changed in a way that breaks the run ({'; '.join(breaking)}).",
             field="output.resume",
-            fix="undo the change, or start a new run with --set output.dir=<new dir> (or --set output.resume=never "
-            "with an empty dir)",
+            fix=f"undo the change, or start a new run: {continuity.new_run(job.output)}",
         )
     return harmless
 

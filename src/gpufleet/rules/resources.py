@@ -351,10 +351,12 @@ def output_dir(ctx: Context):
         )
         return
     if o.resume == "never" and holds_run(d):
+        from gpufleet import continuity
+
         yield err(
             [ctx.ref("output.dir"), ctx.ref("output.resume")],
             f"{o.dir} already holds a run and resume is never, so it would be overwritten.",
-            f"continue it with --set output.resume=auto, or start fresh with --set output.dir={o.dir.rstrip('/')}-2",
+            f"continue it with --set output.resume=auto, or start fresh with {continuity.new_run(o)}",
         )
     elif o.resume not in ("auto", "never") and not user_path(o.resume).exists():
         yield err(
@@ -387,5 +389,5 @@ def resume_continues(ctx: Context):
         yield err(
             [ctx.ref("output.resume"), ctx.ref("output.dir"), *map(ctx.ref, named)],
             f"train would resume {ckpt}, and this job changed in a way that breaks its run ({'; '.join(breaking)}).",
-            f"undo the change, or start a new run: --set output.dir={o.dir.rstrip('/')}-2",
+            f"undo the change, or start a new run: {continuity.new_run(o)}",
         )
