@@ -13,6 +13,7 @@ import time
 
 import fake_nvml
 from gpufleet.monitor.devices import DeviceSampler, devices_file
+from gpufleet.monitor.runfiles import HOST, ended, read_jsonl
 from helpers import run_user
 
 MiB = fake_nvml.MiB
@@ -56,6 +57,19 @@ def test_nvml_missing_or_failing_means_cpu_only(tmp_path):
     rec = s.sample()
     assert rec["gpus"] == [] and [r["rank"] for r in rec["ranks"]] == [0]
     assert rec["ranks"][0]["pids"] == [os.getpid()] and rec["ranks"][0]["rss"] > 10 * MiB
+
+
+def test_an_in_process_run_says_it_is_over_when_its_sampler_stops(tmp_path):
+    """A 1-process run samples its own process, alive in every sample: on stop the sampler writes a last
+    record with no rank alive (as a launcher's sample after its ranks exit), so watch and report see
+    that the run is over, from any machine."""
+    with DeviceSampler(tmp_path / "d.jsonl", 0.05, {0: ("policy", None)}, nvml=False, in_process=True):
+        time.sleep(0.2)
+    records = read_jsonl(tmp_path / "d.jsonl")
+    assert records[0]["ranks"][0]["pids"] == [os.getpid()] and records[-1]["host"] == HOST
+    assert records[-1]["ranks"][0]["pids"] == [] and records[-1]["ranks"][0]["role"] == "policy"
+    assert ended(records)
+    assert not ended(records[:-1])  # the process named in the others still runs (it is this one)
 
 
 CHILD = textwrap.dedent(

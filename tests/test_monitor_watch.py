@@ -4,6 +4,7 @@ Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -112,6 +113,7 @@ def test_live_view_follows_a_real_run_in_tmux(tmp_path):
 
 
 MARKUP_SCRIPT = """
+import json
 import os
 print("saved to [/tmp/ckpt] ok", flush=True)
 if os.environ["RANK"] == "1":
@@ -147,3 +149,44 @@ def test_log_lines_and_commands_are_shown_as_written_not_read_as_markup(tmp_path
     out, err = live.communicate(timeout=30)
     assert live.returncode == 0 and "Traceback" not in err, err
     assert "[bold]x" in out, out
+
+
+@pytest.mark.parametrize(
+    "how",
+    [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+    ids=["kill-9", "ctrl-c"],
+)
+def test_a_one_process_run_stopped_at_step_2_is_said_to_have_ended(tmp_path, how):
+    """A real 1-process `gpufleet train` (its sampler samples its own process, so no record ever finds
+    the rank gone; kill -9 writes nothing more) stopped after step 2 of 5: watch and report say it ended
+    before its last step, not that it is running with an ETA."""
+    out = tmp_path / "runs" / "x"
+    proc = subprocess.Popen(_train_argv(out, 5), cwd=tmp_path, env=process_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            lines = (
+                (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+            )
+            if 2 in [json.loads(x).get("step") for x in lines if x.endswith("}")]:  # whole lines
+                break
+            time.sleep(0.05)
+        proc.send_signal(how)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == (-9 if how == signal.SIGKILL else 130), proc.returncode
+    p = run_user("watch", str(out), "--once", cwd=tmp_path, env_extra={"COLUMNS": "160"})
+    assert p.returncode == 0, p.stderr
+    header = p.stdout.splitlines()[0]
+    assert re.match(r"x  step [23]/5 .* ended before its last step \(no final model; see logs/\)", header), (
+        p.stdout
+    )
+    assert "the run is over: peaks over the run" in p.stdout, p.stdout
+    r = run_user("report", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    page = (out / "report" / "index.html").read_text()
+    assert (
+        "ended before its last step (step 2 of 5" in page or "ended before its last step (step 3 of 5" in page
+    )

@@ -5,6 +5,7 @@ the resolved launch (launch.json) read when the run folder has it (a recorded on
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -132,8 +133,10 @@ def test_launch_json_gives_progress_recipe_and_eta(launched, tmp_path):
     lines = (run / "logs" / "progress.jsonl").read_text().splitlines()
     (run / "logs" / "progress.jsonl").write_text("\n".join(lines[:20]) + "\n")  # as it was half-way
     devices = (run / "devices.jsonl").read_text().splitlines()
-    alive = [x for x in devices if any(r["pids"] for r in json.loads(x)["ranks"])]
-    (run / "devices.jsonl").write_text("\n".join(alive) + "\n")  # the ranks still running
+    alive = [json.loads(x) for x in devices if any(r["pids"] for r in json.loads(x)["ranks"])]
+    for rec in alive:  # the ranks still running: pids that live (watch asks this machine whether they do)
+        rec["ranks"] = [{**r, "pids": [os.getpid()]} for r in rec["ranks"]]
+    (run / "devices.jsonl").write_text("".join(json.dumps(x) + "\n" for x in alive))
     p = run_user("watch", str(run), "--once", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert re.search(r"samples 80/160 \(50%\)  [\d.]+ samples/s  eta 0:0\d", p.stdout), p.stdout

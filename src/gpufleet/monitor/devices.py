@@ -3,7 +3,7 @@
     with DeviceSampler(out / "devices.jsonl", interval=1.0, labels={0: ("policy", 0), 1: ("policy", 1)}):
         run the ranks ...
 
-One record: `{"t": unix time, "node": n, "cpu_percent": machine %, "gpus": [...], "ranks": [...]}`.
+One record: `{"t": unix time, "node": n, "host": hostname, "cpu_percent": machine %, "gpus": [...], "ranks": [...]}`.
 * gpus (NVML through the hardware seam; [] on a CPU-only machine): per device in CUDA order `index`,
   `name`, `util` (%), `mem_util` (%), `mem_used` / `mem_total` (bytes), `power_w`, `temp_c` (None where
   NVML does not say) and `ranks` on it (the launcher's layout, plus any rank whose process NVML lists).
@@ -33,7 +33,7 @@ import psutil
 from gpufleet.devicestate import processes as gpu_processes
 from gpufleet.devicestate import query
 from gpufleet.monitor.metrics import JsonlWriter
-from gpufleet.monitor.runfiles import devices_file
+from gpufleet.monitor.runfiles import HOST, devices_file
 
 
 class RankProcesses:
@@ -192,6 +192,7 @@ class DeviceSampler:
         record = {
             "t": time.time(),
             "node": self.node,
+            "host": HOST,
             "cpu_percent": psutil.cpu_percent(None),
             "gpus": gpus,
             "ranks": ranks,
@@ -219,6 +220,10 @@ class DeviceSampler:
         self._stop.set()
         self._thread.join()
         self._thread = None
+        if self.ranks.in_process:  # the run (this process) is over: say so, as a launcher's last sample does
+            last = self.sample()
+            last["ranks"] = [{**x, "pids": [], "cpu_percent": 0.0, "rss": 0} for x in last["ranks"]]
+            self._writer.write(last)
         self._writer.close()
         if self.nvml:
             query(self.nvml.nvmlShutdown)

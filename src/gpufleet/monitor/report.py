@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpufleet.monitor.launched import Launched
-from gpufleet.monitor.runfiles import Run, device_series, env_server_series, load_run
+from gpufleet.monitor.runfiles import Run, device_series, ended_early, env_server_series, load_run
 from gpufleet.paths import user_path
 
 GIB = 1024**3
@@ -191,6 +191,11 @@ def _page(runs: list[Run], images: list[tuple[str, str, Path]]) -> str:
     for r in runs:
         if r.launched is not None:
             parts += _launched(r, r.launched)
+        elif early := ended_early(r):
+            parts.append(
+                f"<p class='warn'>{html.escape(r.name)} ended before its last step ({early}; no final model; "
+                "see its logs/)</p>"
+            )
     for name, title, path in images:
         parts += [f"<h2>{html.escape(title)}</h2>", _img(path, title), f"<p class='muted'>{name}</p>"]
     devices = [row for r in runs for row in device_rows(r)]

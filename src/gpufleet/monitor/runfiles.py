@@ -12,12 +12,18 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from gpufleet.errors import UserError
 from gpufleet.monitor.launched import Launched, read_launched
 from gpufleet.paths import user_path
+
+HOST = socket.gethostname()
+"""This machine's name: devices records carry the host that wrote them (`still_running` asks only its own)."""
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -116,11 +122,33 @@ def env_server_series(records: list[dict]) -> dict[str, list[tuple[float, float,
 
 
 def ended(records: list[dict]) -> bool:
-    """The sampler saw the ranks run and its newest record of every node finds none alive (the run is
-    over: its last samples are of processes that exited, 0% and 0 bytes)."""
+    """The sampler saw the ranks run and, in its newest record of every node, no rank is alive: the
+    record finds none (its last samples are of processes that exited, 0% and 0 bytes), or every pid it
+    names is gone from this machine now (a one-process run samples itself, so its last record always
+    names its own pid; a run killed with -9 writes no last record at all)."""
     if not any(x.get("pids") for rec in records for x in rec.get("ranks", [])):
         return False
-    return not any(x.get("pids") for rec in latest_by_node(records) for x in rec.get("ranks", []))
+    return not any(
+        x.get("pids") and still_running(rec, x["pids"])
+        for rec in latest_by_node(records)
+        for x in rec.get("ranks", [])
+    )
+
+
+def still_running(record: dict, pids: list[int]) -> bool:
+    """Whether a process of `pids` (a devices record's rank) still runs. Only this machine's processes can
+    be asked: a record another host wrote (its `host`) counts as running. A pid now held by a process
+    started after the record was written is another program's (the pid was reused)."""
+    if record.get("host", HOST) != HOST:
+        return True
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() <= record.get("t", math.inf) + 1 and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def peaks(records: list[dict]) -> dict[tuple[int, str, int], tuple[float, float]]:
@@ -217,6 +245,24 @@ def load_run(path: str | Path) -> Run:
         job_yaml,
         launched,
     )
+
+
+def finished(run: Run) -> bool:
+    """A train run with its final model or all its steps; a launched script with all its samples."""
+    if run.launched is not None:
+        total = run.launched.total_samples
+        return bool(total and run.launched.samples >= total)
+    step, total = int(run.metrics[-1].get("step", 0)) if run.metrics else 0, max_steps(run)
+    return (run.path / "final").exists() or (total is not None and step >= total)
+
+
+def ended_early(run: Run) -> str | None:
+    """How a train run whose processes are gone ended before its last step and final model ("step 2 of
+    5"); None for a run that finished, still runs, or is a launched script (its ranks' exits say)."""
+    if run.launched is not None or finished(run) or not ended(run.devices):
+        return None
+    step = int(run.metrics[-1].get("step", 0)) if run.metrics else 0
+    return f"step {step} of {max_steps(run) or '?'}"
 
 
 def max_steps(run: Run) -> int | None:

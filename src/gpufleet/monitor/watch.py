@@ -29,6 +29,7 @@ from gpufleet.monitor.runfiles import (
     device_label,
     ended,
     env_server_series,
+    finished,
     gpu_ranks,
     latest_by_node,
     load_run,
@@ -78,19 +79,10 @@ def bar(fraction: float, width: int = 20) -> str:
     return "█" * full + "░" * (width - full)
 
 
-def _finished(run: Run) -> bool:
-    """A train run with its final model or all its steps; a launched script with all its samples."""
-    if run.launched is not None:
-        total = run.launched.total_samples
-        return bool(total and run.launched.samples >= total)
-    step, total = int(run.metrics[-1].get("step", 0)) if run.metrics else 0, max_steps(run)
-    return (run.path / "final").exists() or (total is not None and step >= total)
-
-
 def is_over(run: Run) -> bool:
     """Finished, failed, or its processes gone (the sampler's newest record finds no rank alive)."""
     failed = run.launched is not None and run.launched.failed()
-    return bool(_finished(run) or failed or ended(run.devices))
+    return bool(finished(run) or failed or ended(run.devices))
 
 
 def _header(run: Run) -> Text:
@@ -100,7 +92,7 @@ def _header(run: Run) -> Text:
     step, total = int(last.get("step", 0)), max_steps(run)
     recent = [m["step_time"] for m in run.metrics[-10:] if "step_time" in m]
     per_step = sum(recent) / len(recent) if recent else math.nan
-    if _finished(run):
+    if finished(run):
         eta = "finished"
     elif ended(run.devices):
         eta = "ended before its last step (no final model; see logs/)"
@@ -128,7 +120,7 @@ def _launched_header(run: Run, ln: Launched) -> Text:
     failed = ln.failed(last_line=True)
     if failed:
         end = f"failed: {failed}"
-    elif _finished(run) or ended(run.devices):  # (a script without a recipe: its ranks have exited)
+    elif finished(run) or ended(run.devices):  # (a script without a recipe: its ranks have exited)
         end = "finished"
     else:
         eta = ln.eta_s()
