@@ -84,3 +84,31 @@ def test_the_example_learns_to_copy_the_tools_answer(tmp_path):
     found = [r["rewards/key_found/mean"] for r in rows]
     assert sum(found[:25]) / 25 < 0.05
     assert sum(found[-25:]) / 25 >= 0.2, found[-25:]
+
+
+def test_a_tool_that_calls_sys_exit_is_a_failed_call_not_the_end_of_the_run():
+    """sys.exit in a tool (a function tool, or a TRL environment's method) is that call's error result, as
+    any exception is; the run goes on and the failure is counted."""
+    import sys
+
+    from gpufleet.rl.tools import Tool, run_call
+
+    def quit(x: int) -> str:
+        sys.exit(3)
+
+    result = run_call(
+        {"quit": Tool("quit", quit, {})}, {"function": {"name": "quit", "arguments": {"x": 1}}}, 5
+    )
+    assert result.failed and result.message["content"] == "{'error': 'tool quit called sys.exit(3)'}"
+
+    class Quits:
+        def reset(self, **kwargs):
+            return None
+
+        def quit(self) -> str:
+            """Quit."""
+            sys.exit(3)
+
+    env = TrlEnv(Quits, {})
+    env.reset(seed=0)
+    assert env._call(_call("quit")) == ("quit", "{'error': 'tool quit called sys.exit(3)'}", True)

@@ -362,3 +362,9 @@ def _unbindable(
     except TypeError as e:
         return f"{has} cannot be called as {CALL} ({e})", f"write it as {with_kwargs}"
     return None
+
+
+def tool_failure(name: str, e: BaseException) -> str:
+    """A failed tool call's error text: TRL's (`str(e)`); a tool that called sys.exit is said as such (its
+    result, like any failure's: with TRL it would end the run)."""
+    return f"tool {name} called sys.exit({e.code!r})" if isinstance(e, SystemExit) else str(e)

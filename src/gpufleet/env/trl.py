@@ -43,6 +43,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gpufleet.usercode import tool_failure
+
 RESERVED = ("reset", "get_reward")
 
 
@@ -192,8 +194,11 @@ class TrlEnv:
             if not isinstance(args, dict):
                 raise TypeError(f"arguments must be a mapping, got {args!r}")
             return name, str(self._seeded(self.tools[name], **args)), False
-        except Exception as e:  # the tool's failure is its result (TRL's form); the episode goes on
-            return name, str({"error": str(e)}), True
+        except (
+            Exception,
+            SystemExit,
+        ) as e:  # the tool's failure is its result (TRL's form); the episode goes on
+            return name, str({"error": tool_failure(name, e)}), True
 
     def _reward(self) -> float:
         if not self._scores:

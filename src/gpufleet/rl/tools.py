@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufleet.errors import UserError
+from gpufleet.usercode import tool_failure
 
 FIELD = "rollout.tools"
 
@@ -96,8 +97,11 @@ def run_call(tools: dict[str, Tool], call: Any, timeout: float) -> Result:
             str({"error": f"{name} did not return within rollout.tool_timeout {timeout:g} s"}),
             True,
         )
-    except Exception as e:  # the user's tool raised: its result says so (TRL's form), the run goes on
-        content, failed = str({"error": str(e)}), True
+    except (
+        Exception,
+        SystemExit,
+    ) as e:  # the user's tool raised: its result says so (TRL's form), the run goes on
+        content, failed = str({"error": tool_failure(name, e)}), True
     message = {"role": "tool", "name": name, "content": content}
     return Result(message, failed, time.perf_counter() - start)
 
