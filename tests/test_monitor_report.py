@@ -56,6 +56,16 @@ def test_report_of_one_run(run):
     assert "http://" not in page and "https://" not in page and "<script" not in page
 
 
+def test_names_are_text_not_tex(run, tmp_path):
+    """A run folder named `q$\\alpha\\q$` (two dollars: mathtext to matplotlib, which raised on the unknown
+    `\\q` in the figures' legends): the report draws it as written."""
+    named = tmp_path / "q$\\alpha\\q$"
+    shutil.copytree(run, named, ignore=shutil.ignore_patterns("report"))
+    p = run_user("report", str(named), str(run), "--out", "cmp", cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "gpufleet report: q$\\alpha\\q$, quick" in (tmp_path / "cmp" / "index.html").read_text()
+
+
 def test_not_a_run_is_one_line(tmp_path):
     p = run_user("report", str(tmp_path), cwd=tmp_path)
     assert p.returncode == 2

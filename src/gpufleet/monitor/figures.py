@@ -11,6 +11,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+# Labels are the user's text (run folder names, metric names): 'run$\q$' is a name, not TeX (mathtext would
+# raise on it). The report draws no formula of its own.
+matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from gpufleet.monitor.runfiles import Run, device_series, env_server_series  # noqa: E402
