@@ -126,3 +126,21 @@ def test_the_fix_of_a_refused_resume_from_a_named_checkpoint_starts_a_new_run(us
     p = gpufleet(user, "train", *asked, *fix, "--set", "train.max_steps=1")
     assert p.returncode == 0 and "resuming" not in p.stdout, p.stdout + p.stderr
     assert (user / "runs" / "q-3" / "final" / "model.safetensors").is_file()
+
+
+def test_a_run_stopped_before_its_final_model_gets_it_from_the_checkpoint(user):
+    """A run stopped at step 2 of 5 (checkpoints step-1 and step-2, no final/), then asked for 2 steps:
+    train said `model in runs/base/final` and wrote nothing there. It writes final/ from step-2 now."""
+    run = user / "runs" / "base"
+    shutil.rmtree(run / "final")
+    p = gpufleet(user, "train", *sets("output.dir=runs/base", "train.max_steps=2"))
+    assert p.returncode == 0 and "wrote runs/base/final from runs/base/checkpoints/step-2" in p.stdout, (
+        p.stdout + p.stderr
+    )
+    step2 = (run / "checkpoints" / "step-2" / "model.safetensors").read_bytes()
+    assert (run / "final" / "model.safetensors").read_bytes() == step2
+    assert (run / "final" / "tokenizer.json").is_file() and not (run / "final" / "optimizer.pt").exists()
+    p = gpufleet(user, "train", *sets("output.dir=runs/base", "train.max_steps=2"))
+    assert (
+        p.returncode == 0 and "already holds a finished run (2 steps; model in runs/base/final)" in p.stdout
+    )

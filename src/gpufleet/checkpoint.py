@@ -283,10 +283,15 @@ def export(run_dir: Path, to: Path, step: int | None = None) -> Path:
                 fix="pick one of the complete steps",
             )
     require_empty(to)
+    copy_model(src, to)
+    return src
+
+
+def copy_model(src: Path, to: Path) -> None:
+    """The model folder inside checkpoint (or final) `src`, copied to `to`: the training state left out."""
     to.mkdir(parents=True, exist_ok=True)
     skip = {"optimizer.pt", "trainer_state.json"}
     for f in src.iterdir():
         if f.is_file() and f.name not in skip and not f.name.startswith(("rng-rank", "batch-rank")):
             shutil.copy2(f, to / f.name)
     readable_by_all(to)
-    return src

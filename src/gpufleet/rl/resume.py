@@ -237,6 +237,29 @@ def save_final(p, folder: Path) -> None:
         tmp.rename(folder)
 
 
+def final_from(ckpt: Path, folder: Path) -> bool:
+    """Make `folder` (a run's final/) the model of checkpoint `ckpt`, the last step of a run that stopped
+    before writing it (killed after its last checkpoint, or resumed with max_steps lowered to the step
+    it reached): True when written. A final/ written after the checkpoint is that model: kept."""
+    done = folder / "config.json", folder / "adapter_config.json"
+    if (
+        any(f.is_file() for f in done)
+        and folder.stat().st_mtime >= (ckpt / "trainer_state.json").stat().st_mtime
+    ):
+        return False
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    checkpoint.copy_model(ckpt, tmp)
+    (tmp / "job.yaml").unlink(missing_ok=True)  # the run's own job.yaml says it; final/ holds the model
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
 @dataclass(frozen=True)
 class Start:
     """Where a run starts: the checkpoint to resume from (None: step 0), its step, what changed since."""

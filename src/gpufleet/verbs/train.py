@@ -182,17 +182,28 @@ def _start(out: Path, jb, topo, folders: list[str]):
     if start.checkpoint is None:
         return start
     if start.step >= jb.train.max_steps:
-        print(
-            f"{out} already holds a finished run ({start.step} steps; model in {out / 'final'}); nothing to do."
-        )
-        print(
-            f"Train longer with --set train.max_steps=<more>, or start another with --set output.dir="
-            f"{str(out).rstrip('/')}-2"
-        )
+        _finished(out, jb, start)
         return None
     changed = f"; changed: {'; '.join(start.changes)}" if start.changes else ""
     print(f"resuming from {start.checkpoint} (step {start.step})" + changed)
     return start
+
+
+def _finished(out: Path, jb, start) -> None:
+    """Say that the run in `out` reached max_steps, and where its model is: final/, written from the
+    checkpoint first when the run stopped before writing it (node 0: nodes may share the folder)."""
+    from gpufleet.continuity import new_run
+    from gpufleet.rl.resume import final_from
+
+    final = out / "final"
+    if jb.launch.node_rank == 0 and final_from(start.checkpoint, final):
+        print(
+            f"{out} holds a run that reached step {start.step} (max_steps) and stopped before writing its model: "
+            f"wrote {final} from {start.checkpoint}; nothing to train."
+        )
+    else:
+        print(f"{out} already holds a finished run ({start.step} steps; model in {final}); nothing to do.")
+    print(f"Train longer with --set train.max_steps=<more>, or start another with {new_run(jb.output)}")
 
 
 def _prepare_run_dir(r, out: Path, job_file: Path, hw, env: Mapping[str, str]) -> None:
