@@ -373,6 +373,7 @@ import torch
 def length(prompts, completions, **columns):
     out = [np.float32(len(c)) if i % 2 else torch.tensor(float(len(c))) for i, c in enumerate(completions)]
     out[0] = np.int64(3)
+    out[1], out[2] = True, np.bool_(False)  # TRL's float32 tensor of them: 1.0, 0.0
     return out
 """
 

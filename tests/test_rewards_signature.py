@@ -257,3 +257,27 @@ def test_unreadable_data_is_one_error_not_a_false_reward_error(home, broken):
     assert len(errors) == 1 and errors[0].startswith("error: data.path"), out
     assert "reward.functions" not in out, out
     assert ("permission denied" in out and "chmod" in out) if broken == "unreadable" else "line 2" in out, out
+
+
+def test_reward_values_are_read_as_trl_reads_them():
+    """TRL makes a float32 tensor of a function's list: numbers, numpy scalars, 0-d tensors and bools
+    (True -> 1.0); None is NaN (unscored); what is not a finite real number is refused (None here)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from gpufleet.rl.rewards import _real
+
+    assert [
+        _real(v) for v in (True, False, np.bool_(True), np.float32(0.5), np.int64(3), torch.tensor(2.0))
+    ] == [
+        1.0,
+        0.0,
+        1.0,
+        0.5,
+        3.0,
+        2.0,
+    ]
+    assert math.isnan(_real(None))
+    assert [_real(v) for v in ("1", float("inf"), [1.0], math.nan)] == [None, None, None, None]

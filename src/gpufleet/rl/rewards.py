@@ -291,12 +291,13 @@ def _call_checked(
 
 def _real(v) -> float | None:
     """A reward value as a float (None -> NaN): any real number type, as TRL takes them (Python and
-    numpy numbers, 0-d tensors and arrays); None for what is not a finite real number."""
+    numpy numbers and bools -- TRL's torch.tensor(..., dtype=float32) makes True 1.0 --, 0-d tensors and
+    arrays); None for what is not a finite real number."""
     if v is None:
         return math.nan
-    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # np.float32(0.5), torch.tensor(0.5)
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # np.float32(0.5), torch.tensor(0.5), np.bool_
         v = v.item()
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    if not isinstance(v, numbers.Real):  # bool is a Real (an int): True -> 1.0
         return None
     x = float(v)
     return x if math.isfinite(x) else None
