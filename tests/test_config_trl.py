@@ -117,6 +117,15 @@ fsdp_config deepspeed resume_from_checkpoint
 """.split()
 
 
+# TRL 1.16's `ModelConfig` fields (trl/trainer/model_config.py, the model options of `trl grpo`), and transformers'
+# older `torch_dtype` that TRL examples still write.
+TRL_MODEL_CONFIG_FIELDS = """
+model_name_or_path model_revision dtype attn_implementation use_peft lora_r lora_alpha lora_dropout
+lora_target_modules lora_target_parameters lora_modules_to_save lora_task_type use_rslora use_dora load_in_8bit
+load_in_4bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage torch_dtype
+""".split()
+
+
 def test_every_trl_option_is_in_the_map_and_known_to_check():
     """Every field of TRL 1.16's GRPOConfig, and every TrainingArguments field a GRPO job sets, has a row
     of its own name in docs/trl.md and an entry in gpufleet.config.trl (not only the `vllm_*` family), so
@@ -126,6 +135,7 @@ def test_every_trl_option_is_in_the_map_and_known_to_check():
     for kind, names in (
         ("GRPOConfig", TRL_GRPO_OWN_FIELDS),
         ("TrainingArguments", TRAINING_ARGUMENTS_A_GRPO_JOB_SETS),
+        ("ModelConfig", TRL_MODEL_CONFIG_FIELDS),
     ):
         missing = [n for n in names if n not in named]
         assert not missing, f"TRL 1.16 {kind} fields not named in docs/trl.md's map: {missing}"
@@ -372,6 +382,31 @@ def test_trl_values_get_a_fix_that_works(tmp_path):
     (tmp_path / "job.yaml").write_text(job.replace("0.1", "3").replace("false", "none"))
     p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "algorithm.scale_rewards=group", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_trl_model_config_names(tmp_path):
+    """TRL's ModelConfig names under model: point at gpufleet's field with the value, or say what gpufleet does
+    instead; never a "did you mean" that names an unrelated field (train.torch_compile, train.precision)."""
+    job = (
+        "model:\n  model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n  torch_dtype: bfloat16\n"
+        "  model_revision: v1.0\n  lora_modules_to_save: [lm_head]\n  attn_implementation: sdpa\n"
+    )
+    (tmp_path / "job.yaml").write_text(job)
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    said = _blocks(p.stdout)
+    assert (
+        "fix: write `path: Qwen/Qwen2.5-0.5B-Instruct` under `model:` instead"
+        in said["model.model_name_or_path"]
+    )
+    assert "fix: write `dtype: bfloat16` under `model:` instead" in said["model.torch_dtype"]
+    assert "hf download ID --revision REV --local-dir DIR" in said["model.model_revision"]
+    keep = said["model.lora_modules_to_save"]
+    assert (
+        "gpufleet has no field for it: only the LoRA adapters train" in keep and "fix: remove it" in keep
+    ), keep
+    assert "did you mean" not in p.stdout and "torch_compile" not in p.stdout, p.stdout
+    assert "train.precision" not in p.stdout and "lora_target_modules?" not in p.stdout, p.stdout
 
 
 def test_fields_without_effect_are_warned_about(tmp_path):

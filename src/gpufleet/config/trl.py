@@ -49,6 +49,13 @@ def _engine(value: Any) -> Any:
     return "hf" if as_bool(value) is False else None
 
 
+def _dtype(value: Any) -> Any:
+    """transformers' torch_dtype (`bfloat16`, `torch.bfloat16`) where model.dtype has it; `auto` is not
+    gpufleet's auto (the checkpoint's dtype there, float32 master weights here): no value to copy."""
+    name = str(value).strip().lower().removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def _resume(value: Any) -> Any:
     on = as_bool(value)
     if on is not None:
@@ -106,10 +113,47 @@ _HF_GENERATE = (
     "gpufleet samples with its own batched decoder (rollout.engine: hf), not transformers' generate"
 )
 
+_DTYPE = _at(
+    "model.dtype",
+    "float32, bfloat16 or float16; gpufleet's auto is float32 master weights, TRL's the checkpoint's dtype",
+    _dtype,
+    "set model.dtype to bfloat16, float16 or float32",
+)
+"""ModelConfig.dtype and transformers' torch_dtype."""
+
 OPTIONS: dict[str, TrlOption] = {
     **{name: _at(f"algorithm.{name}") for name in _ALGO},
     **{name: _at(f"model.{name}") for name in _LORA},
     "model_init_kwargs": _at("model.dtype", "TRL's model_init_kwargs torch_dtype", None),
+    "model_name_or_path": _at("model.path", "a hub id, a local folder or builtin:<name>"),
+    "model_revision": _none(
+        "a hub id loads the revision in the local Hugging Face cache (main)",
+        "remove it; for another revision: hf download ID --revision REV --local-dir DIR, then set model.path "
+        "to DIR",
+    ),
+    **{name: _DTYPE for name in ("dtype", "torch_dtype")},
+    "attn_implementation": _none(
+        "the attention is transformers' default for the model (sdpa); others (flash_attention_2, kernels) are "
+        "not available yet"
+    ),
+    "lora_modules_to_save": _none(
+        "only the LoRA adapters train (on model.lora_target_modules); every other module (lm_head, "
+        "embed_tokens) stays frozen, and training modules beside the adapters is not available yet"
+    ),
+    "lora_target_parameters": _none(
+        "adapters go on modules (model.lora_target_modules); adapters on parameters are not available yet"
+    ),
+    "lora_task_type": _none("always CAUSAL_LM: the policy is a causal language model"),
+    "use_rslora": _none(
+        "LoRA's scaling is lora_alpha / lora_r; rank-stabilised scaling is not available yet"
+    ),
+    "use_dora": _none("model.use_peft trains plain LoRA adapters; DoRA is not available yet"),
+    **{
+        name: _none(
+            "quantized (bitsandbytes) base models are not available yet; model.dtype sets the weights' dtype"
+        )
+        for name in "load_in_8bit load_in_4bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage".split()
+    },
     "trust_remote_code": _none(
         "only architectures transformers ships load; code that comes with a model is never run"
     ),
