@@ -163,7 +163,8 @@ class RolloutSection(Section):
 
 class TrainSection(Section):
     per_device_batch: int = Field(8, ge=1)
-    """Completions per policy rank per optimizer step."""
+    """Completions per policy rank per optimizer step: TRL's per_device_train_batch_size (one forward pass) x
+    gradient_accumulation_steps."""
 
     global_batch: int | None = Field(None, ge=1)
     """Completions per optimizer step over all policy ranks, kept whatever the number of ranks: set it
@@ -171,11 +172,13 @@ class TrainSection(Section):
     Unset: per_device_batch x policy ranks, which grows with the rank count."""
 
     micro_batch: int | None = Field(None, ge=1)
-    """Completions per forward/backward pass; gradient accumulation makes up the rest.
-    Unset: = per_device_batch (no accumulation)."""
+    """Completions per forward/backward pass (TRL's per_device_train_batch_size); gradient accumulation
+    (per_device_batch / micro_batch steps) makes up the rest. Unset: = per_device_batch (no accumulation)."""
 
     steps_per_generation: int = Field(1, ge=1)
-    """Optimizer steps taken on each generation batch (it is split into this many parts)."""
+    """Optimizer steps taken on each generation batch (it is split into this many parts). TRL counts its
+    steps_per_generation in forward passes: gpufleet's = TRL's / gradient_accumulation_steps (TRL's default,
+    = gradient_accumulation_steps, is 1 here)."""
 
     learning_rate: float = Field(1e-6, gt=0)
     """Peak AdamW learning rate."""
