@@ -347,6 +347,12 @@ def test_trl_batch_names_map_to_the_same_batch(tmp_path):
         in block
     )
     assert "TRL's 6 is not a multiple of gradient_accumulation_steps 4" in block, block
+    # at the top level of the file, as TRL's flat config writes them
+    flat = "per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\nsteps_per_generation: 4\n"
+    (tmp_path / "flat.yaml").write_text(flat)
+    p = run_user("check", "flat.yaml", "--gpus", "cpu", cwd=tmp_path)
+    want = "fix: write `per_device_batch: 8`, `micro_batch: 4` and `steps_per_generation: 2` under `train:` instead"
+    assert want in _blocks(p.stdout)["gradient_accumulation_steps"], p.stdout
     # from the environment, with TRL's default per-device batch (8)
     env = {"GPUFLEET_TRAIN__GRADIENT_ACCUMULATION_STEPS": "2"}
     p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path, env_extra=env)

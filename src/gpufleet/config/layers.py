@@ -118,11 +118,16 @@ def _write(values: Mapping[str, Any], src: Source) -> str:
         return " ".join(f"--set {p}={t.replace(' ', '')}" for p, t in texts.items()) + " instead"
     sections = dict.fromkeys(p.split(".", 1)[0] for p in texts)
     under = [
-        " and ".join(f"`{p.split('.', 1)[1]}: {t}`" for p, t in texts.items() if p.startswith(s + "."))
+        _listed([f"`{p.split('.', 1)[1]}: {t}`" for p, t in texts.items() if p.startswith(s + ".")])
         + f" under `{s}:`"
         for s in sections
     ]
-    return "write " + ", and ".join(under) + " instead"
+    return "write " + _listed(under) + " instead"
+
+
+def _listed(items: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _ratio(a: str, b: str) -> float:
