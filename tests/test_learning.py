@@ -103,6 +103,7 @@ def test_reward_error_is_one_line_and_keeps_old_outputs(tmp_path):
     assert "Traceback" not in p.stderr
     line = [x for x in p.stderr.splitlines() if x.startswith("gpufleet: error")]
     assert len(line) == 1 and "score raised ZeroDivisionError" in line[0] and "sample 0" in line[0]
+    assert f"division by zero at {tmp_path / 'badreward.py'}:2 on sample 0" in line[0], line[0]
     assert (run / "notes.txt").read_text() == "keep me"
 
 

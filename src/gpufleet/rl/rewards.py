@@ -255,8 +255,9 @@ def _call_checked(
             else _first_failing(fn, prompts, completions, cols, timeout, completion_ids, logging)
         )
         where = f" on {_sample(i, prompts, completions)}" if i is not None else ""
+        line = where_stuck(e)  # the line of the user's code that raised
         raise UserError(
-            f"reward function {label} raised {type(e).__name__}: {e}{where}.",
+            f"reward function {label} raised {type(e).__name__}: {e}{f' at {line}' if line else ''}{where}.",
             field="reward.functions",
             fix=(
                 "the function's own error says what it lacked: fix the function, or give it the data "
