@@ -124,15 +124,30 @@ def test_check_reads_the_tokenizer_from_this_machine_only(tmp_path, monkeypatch)
     import socket
 
     from gpufleet.models.builtin import materialize
-    from gpufleet.rules.chat import _tokenizer
+    from gpufleet.rules.prompts import tokenizer
 
     def no_network(*args, **kwargs):
         raise AssertionError("check tried the network")
 
     monkeypatch.setattr(socket, "create_connection", no_network)
     env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
-    assert _tokenizer("someone/not-here", env) is None
+    assert tokenizer("someone/not-here", env) is None
     snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / "abc123"
     shutil.copytree(materialize("tiny-qwen2"), snapshot)
-    tok = _tokenizer("someone/tiny", env)
+    tok = tokenizer("someone/tiny", env)
     assert tok is not None and tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"
+
+
+def test_a_tools_job_counts_the_tools_its_first_prompt_offers(tmp_path):
+    """Tools on a data set: each first prompt holds the tools the template lays out (35 tokens here), so a
+    row that fits alone can be cut with them; check counts the whole first prompt, as train builds it."""
+    from test_tools_dataset import _files, _job_file
+
+    _files(tmp_path)
+    _job_file(tmp_path)  # rollout.max_prompt_length 48
+    with (tmp_path / "tasks.jsonl").open("a") as f:
+        f.write(json.dumps({"prompt": "w" * 40, "ground_truth": "1", "level": 1}) + "\n")
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "1 prompt of tasks.jsonl is longer than rollout.max_prompt_length 48" in p.stdout, p.stdout
+    assert _fix(p.stdout) == 35 + 40, p.stdout  # the frame (tools line, markers) + the row

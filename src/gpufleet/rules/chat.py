@@ -9,6 +9,7 @@ from __future__ import annotations
 from gpufleet import usercode
 from gpufleet.errors import UserError
 from gpufleet.rl.tooldata import tools_on_data
+from gpufleet.rules.prompts import data_scan, long_prompts, tokenizer
 from gpufleet.rules.registry import Context, err, rule, warn
 
 FIX_DATA = (
@@ -81,7 +82,7 @@ def chat_template_fits(ctx: Context):
     except UserError as e:
         yield err([ctx.ref("rollout.tools")], getattr(e, "why", None) or e.message, e.fix)
         return
-    tok = _tokenizer(job.model.path, ctx.env)
+    tok = tokenizer(job.model.path, ctx.env)
     if tok is None:  # a model not on this machine: the model rules say so
         return
     schemas = [t.schema for t in tools]
@@ -107,7 +108,10 @@ def chat_template_fits(ctx: Context):
             no_parser_fix() if why == NO_PARSER else FIX_DATA if data else FIX,
         )
         return
-    frame = len(ChatFormat(tok, schemas, kwargs).first_prompt(""))
+    fmt = ChatFormat(tok, schemas, kwargs)
+    frame = len(fmt.first_prompt(""))
+    if frame < job.rollout.max_prompt_length and data and (found := data_scan(ctx)) is not None:
+        yield from long_prompts(ctx, found, lambda prompt: (_rendered(fmt, prompt), False))
     if frame >= job.rollout.max_prompt_length:
         yield err(
             [ctx.ref("rollout.max_prompt_length")]
@@ -124,23 +128,13 @@ def chat_template_fits(ctx: Context):
         )
 
 
-def _tokenizer(path: str, env=None):
-    """The model's tokenizer, read from what is on this machine (a folder, or a hub id in the local cache),
-    never downloaded (check reads only what is offline); None when it is not here or cannot be read."""
-    from gpufleet.models.builtin import char_tokenizer, is_builtin
-    from gpufleet.models.info import find_config_json
-
-    if is_builtin(path):
-        return char_tokenizer()
-    from gpufleet.models.load import load_tokenizer
-
-    config = find_config_json(path, env)
-    if config is None:
-        return None
+def _rendered(fmt, prompt) -> int:
+    """A data row's first prompt in tokens, as a tools-on-data episode starts (the tools offered); 0 for
+    one the template refuses (chatdata.py's rule says so)."""
     try:
-        return load_tokenizer(str(config.parent))
-    except UserError:
-        return None
+        return len(fmt.first_prompt(prompt))
+    except Exception:  # the template (jinja) refused these messages, whatever its error type
+        return 0
 
 
 def chat_data_frame_fits(ctx: Context, first_chat: str | None):
@@ -150,7 +144,7 @@ def chat_data_frame_fits(ctx: Context, first_chat: str | None):
     job = ctx.job
     if first_chat is None or job.env.name or job.rollout.tools:
         return
-    tok = _tokenizer(job.model.path, ctx.env)
+    tok = tokenizer(job.model.path, ctx.env)
     if tok is None or not getattr(tok, "chat_template", None):  # no template: resources.py says it
         return
     empty = [{"role": "user", "content": ""}]

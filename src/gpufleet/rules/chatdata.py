@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpufleet import datafile
 from gpufleet.paths import user_path
-from gpufleet.rules.chat import _tokenizer
+from gpufleet.rules.prompts import tokenizer
 from gpufleet.rules.registry import Context, err, rule
 
 
@@ -26,7 +26,7 @@ def chat_rows_render(ctx: Context):
         return  # the data rule reports it
     if found.first_chat is None:
         return
-    tok = _tokenizer(job.model.path, ctx.env)
+    tok = tokenizer(job.model.path, ctx.env)
     if tok is None or not getattr(tok, "chat_template", None):
         return  # a model not here, or no template: resources.py's rule says which
     kwargs = dict(job.rollout.chat_template_kwargs)
