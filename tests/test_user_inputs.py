@@ -103,6 +103,13 @@ DATA = [
         ["d.csv line 3", "3 fields"],
     ),
     ("csv-header-only", "d.csv", b"prompt,answer\n", "data.path", ["d.csv holds no rows"]),
+    (
+        "csv-semicolons",
+        "d.csv",
+        b"prompt;answer\na:;x\n",
+        "data.path",
+        ["d.csv is not comma-separated", "'prompt;answer'", "df.to_csv"],
+    ),
     ("parquet-corrupt", "d.parquet", b"PAR1 this is not parquet PAR1", "data.path", ["d.parquet", "parquet"]),
     ("parquet-no-rows", "d.parquet", None, "data.path", ["d.parquet holds no rows"]),
     ("parquet-null-prompt", "d.parquet", "nulls", "data.prompt_field", ["d.parquet row 2", "null"]),

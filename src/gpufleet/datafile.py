@@ -222,6 +222,13 @@ def _no_column(name: str, prompt_field: str, columns: list[str]) -> DataFileErro
         c for c in ("prompt", "question", "query", "problem", "instruction", "input", "text") if c in columns
     ]
     close = difflib.get_close_matches(prompt_field, columns, n=1) or likely or columns[:1]
+    sep = next((c for c in ";\t|" if len(columns) == 1 and c in columns[0]), None)
+    if sep is not None and ".csv" in name:  # one column named 'prompt;answer': not comma-separated
+        return DataFileError(
+            f"{name} is not comma-separated: its one column is {columns[0]!r} (split by {sep!r}).",
+            "save it with commas (pandas: df.to_csv(path, index=False)), or as .jsonl",
+            field="data.path",
+        )
     return DataFileError(
         f"{name} has no column {prompt_field!r} (columns: {', '.join(columns[:10]) or 'none'}).",
         f"--set data.prompt_field={close[0]}" if close else "add a prompt column to the file",
