@@ -175,3 +175,25 @@ def test_a_folder_with_config_json_alone(home):
     assert code == 0 and "holds no weights: counted from its config.json" in out, out
     code, out = gpufleet(home, "check", "job.yaml", "--gpus", "1x80GB", *sets("reward.model=rm"))
     assert code == 2 and "holds no weights" in out and "hf download ID config.json" in out, out
+
+
+@pytest.mark.parametrize(
+    ("name", "fix"),
+    [
+        ("Skywork/Skywork-Reward-V2", "fix: --set reward.model=Skywork/Skywork-Reward-V2 (and remove it"),
+        ("repeat/leters", "fix: did you mean 'repeat/letters'?"),
+    ],
+)
+def test_a_reward_model_named_as_a_function_points_at_reward_model(home, name, fix):
+    """TRL's reward_funcs takes a model id beside functions; gpufleet's reward.functions does not: the fix
+    moves it to reward.model. A misspelt built-in reward (task/name, shaped like a hub id) still gets its
+    did-you-mean."""
+    job = home / "job.yaml"
+    job.write_text(
+        job.read_text().replace(
+            "reward: {model: nobody/does-not-exist-rm}", f"reward: {{functions: [{name}]}}"
+        )
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=home, env_extra=offline(home))
+    assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert fix in p.stdout, p.stdout

@@ -177,10 +177,19 @@ def rewards_resolvable(ctx: Context):
             import difflib
 
             close = difflib.get_close_matches(name, known, n=1)
+            tasks_named = {k.split("/")[0] for k in known}  # built-in rewards are task/name
+            model = user_path(name).is_dir() or (
+                looks_like_hub_id(name) and name.split("/")[0] not in tasks_named
+            )
             yield err(
                 [ctx.ref("reward.functions")],
-                f"{name!r} is neither module:function nor a built-in reward.",
-                f"did you mean {close[0]!r}?" if close else f"built-in rewards: {', '.join(known)}",
+                f"{name!r} is neither module:function nor a built-in reward"
+                + (" (a reward model is reward.model)." if model else "."),
+                f"--set reward.model={name} (and remove it from reward.functions)"
+                if model
+                else f"did you mean {close[0]!r}?"
+                if close
+                else f"built-in rewards: {', '.join(known)}",
             )
     count = len(names) + (1 if rw.model else 0) or (
         len(tasks.get_task(data.path[8:]).default_rewards)
