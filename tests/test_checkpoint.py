@@ -282,6 +282,19 @@ def test_export_loads_and_generates(tmp_path):
     assert (
         p.returncode == 2 and "no complete checkpoint for step 3" in p.stderr and "complete: 2, 4" in p.stderr
     )
+    inside = run / "final" / "sub"  # the run's next resume would replace final/ and this with it
+    p = subprocess.run(
+        [sys.executable, "-m", "gpufleet", "export", str(run), "--to", str(inside)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert p.returncode == 2 and f"is inside {run / 'final'}" in p.stderr and "--to run-model" in p.stderr, (
+        p.stderr
+    )
+    assert not inside.exists()
 
 
 class Evil:

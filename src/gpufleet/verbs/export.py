@@ -15,6 +15,7 @@ from gpufleet.paths import user_path
 
 def export_command(run_dir: str, step: int | None, to: str, merge: bool = False) -> int:
     dest = user_path(to)
+    _outside_what_train_replaces(user_path(run_dir), dest, to)
     if not merge:
         src = export(user_path(run_dir), dest, step)
         print(f"exported {src} -> {to}")
@@ -37,6 +38,18 @@ def export_command(run_dir: str, step: int | None, to: str, merge: bool = False)
     print(f"exported {src} merged with its base -> {to}")
     print(f"  load it with: AutoModelForCausalLM.from_pretrained({to!r})")
     return 0
+
+
+def _outside_what_train_replaces(run: Path, dest: Path, to: str) -> None:
+    """--to inside the run's final/ or checkpoints/ would be deleted by the run's next resume or save."""
+    for part in ("final", "checkpoints"):
+        owned = (run / part).resolve()
+        if dest.resolve() == owned or owned in dest.resolve().parents:
+            raise UserError(
+                f"{to} is inside {run / part}, which train replaces when the run goes on (resume, save).",
+                field="--to",
+                fix=f"export outside it, e.g. --to {run.name}-model",
+            )
 
 
 def _min_new_tokens(src: Path, run_dir: Path) -> int:
