@@ -182,3 +182,14 @@ def test_none_is_a_choice_where_the_field_has_one(tmp_path):
     assert r.job.reward.timeout is None
     r = load_job(write(tmp_path, ""), env={"GPUFLEET_ALGORITHM__SCALE_REWARDS": "None"})
     assert r.job.algorithm.scale_rewards == "none"
+
+
+def test_a_misspelt_variable_gets_the_variable_that_works(tmp_path):
+    """The fix of a misspelt GPUFLEET_ variable names the whole variable to set (a misspelt section keeps
+    its field), not one that would be ignored."""
+    for name, want in (
+        ("GPUFLEET_TRAINN__SEED", "did you mean train? (GPUFLEET_TRAIN__SEED)"),
+        ("GPUFLEET_TRAIN__SEDE", "did you mean train.seed? (GPUFLEET_TRAIN__SEED)"),
+    ):
+        r = load_job(write(tmp_path), env={name: "3"})
+        assert [p.fix for p in r.problems] == [want], name

@@ -54,7 +54,12 @@ def _unknown_key(
         known = f"{section} has {', '.join(fields)}"
     fix = f"did you mean {suggestion}?" if suggestion else f"remove it; {known}"
     if suggestion and src.kind == "env":
-        fix += f" ({ENV_PREFIX}{suggestion.upper().replace('.', '__')})"
+        rest = (
+            src.detail.split("=", 1)[0].split("__", 1)[1:]
+            if section is None and suggestion in SECTIONS
+            else []
+        )
+        fix += f" ({ENV_PREFIX}{'__'.join([suggestion.upper().replace('.', '__'), *rest])})"
     found = {"suggestion": suggestion} if suggestion else {}
     return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix, found)
 
