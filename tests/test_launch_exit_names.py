@@ -140,3 +140,20 @@ def test_a_real_torchrun_abort_is_named(tmp_path):
     assert p.returncode != 0
     head = unexplained(logs, p.returncode, agent.read_text()).splitlines()[0]
     assert "rank 1 was killed by SIGABRT (signal 6)" in head, agent.read_text()
+
+
+def test_a_rank_that_ended_early_is_named_as_the_cause(tmp_path):
+    """Rank 1 exited 0 (rank1.done.json) while rank 0 still waited for it: rank 0's gloo error is the echo,
+    the early end the cause, with the fix."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    now = time.time()
+    (logs / "rank0.log").write_text("--- rank 0 ---\nRuntimeError: [pair.cc:553] Connection closed by peer\n")
+    (logs / "rank0.exit.json").write_text(json.dumps({"rank": 0, "code": 1, "time": now}))
+    (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now - 3}))
+    r = Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+    first = explain(logs, 1, r, r).splitlines()[0]
+    assert first.startswith("gpufleet: rank 0 failed first: rank 1 ended (exit code 0) 3 s before"), first
+    assert "Connection closed by peer" in first and "do not return early on some ranks" in first
+    (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now + 3}))  # ended after: not it
+    assert "ended (exit code 0)" not in explain(logs, 1, r, r)

@@ -141,6 +141,11 @@ CAUSES = {
         "--set script.gradient_accumulation_steps=4",
     ),
     "missing": ("import not_installed_pkg_xyz\n", "pip install not_installed_pkg_xyz"),
+    "early": (  # rank 1 returns cleanly while rank 0 waits for it in a collective
+        'import time, torch.distributed as dist\ndist.init_process_group("gloo")\nif dist.get_rank() == 1:\n'
+        "    raise SystemExit(0)\ntime.sleep(1)\ndist.barrier()\n",
+        "failed first: rank 1 ended (exit code 0)",
+    ),
     "killed": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "killed by SIGKILL"),
     "abort": ("import os\nos.abort()\n", "the command was killed by SIGABRT (signal 6)"),
     "loader": (

@@ -6,7 +6,8 @@ The command runs as written (a bare name through PATH, as a shell would), in a p
 Everything it prints goes to LOGS_DIR/rank<R>.log. Rank 0's stdout also goes to the terminal (inherited);
 every rank's stderr goes to the launcher's terminal through the FIFO the launcher reads (`--console`),
 rank 0's as it is, the others' with a `[rank R]` prefix. A command that fails leaves
-LOGS_DIR/rank<R>.exit.json (exit code, time) so the launcher can name the rank that failed first.
+LOGS_DIR/rank<R>.exit.json (exit code, time) so the launcher can name the rank that failed first (a clean
+exit: rank<R>.done.json, its time).
 SIGINT/SIGTERM from torchrun reach the command; if this process dies, the command gets SIGTERM (no
 orphans). With --progress, rank 0's lines that match REGEX (group 1: samples so far) are timestamped into
 LOGS_DIR/progress.jsonl (`launch --scaling` reads them). With --stacks, a Python command loads
@@ -104,6 +105,7 @@ def run(
     rank = int(os.environ.get("RANK", "0"))
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"rank{rank}.exit.json").unlink(missing_ok=True)
+    (logs / f"rank{rank}.done.json").unlink(missing_ok=True)
     prefix = b"" if rank == 0 else f"[rank {rank}] ".encode()
     with (logs / f"rank{rank}.log").open("ab") as log:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -143,7 +145,11 @@ def run(
         code = proc.wait()
         for t in pumps:
             t.join()
-    return _record(logs, rank, code) if code else 0
+    if code == 0:  # when it ended: a rank that ends early leaves the others waiting (launch/scriptfail.py)
+        record = {"rank": rank, "time": time.time()}
+        (logs / f"rank{rank}.done.json").write_text(json.dumps(record), encoding="utf-8")
+        return 0
+    return _record(logs, rank, code)
 
 
 def _record(logs: Path, rank: int, code: int) -> int:

@@ -22,6 +22,7 @@ class Ended:
     log: Path
     text: str  # the log of the last attempt, without torch's `[rank1]:` line prefixes
     program: str | None = None  # the program the command ran (the Python a missing module belongs in)
+    time: float = 0.0  # when it ended (time.time())
 
 
 def first_ended(logs: Path) -> Ended | None:
@@ -31,7 +32,7 @@ def first_ended(logs: Path) -> Ended | None:
         return None
     rec = min(ended, key=lambda r: (r["code"] in (-signal.SIGTERM, 143), r["time"]))
     log = logs / f"rank{rec['rank']}.log"
-    return Ended(rec["rank"], rec["code"], log, last_attempt(log))
+    return Ended(rec["rank"], rec["code"], log, last_attempt(log), time=rec["time"])
 
 
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]:[ ]?", re.M)
@@ -156,6 +157,21 @@ CAUSES: list[Callable[[Ended, Recipe, Recipe], str | None]] = [
 ]
 
 
+def _ended_early(logs: Path, e: Ended, cause: str) -> str | None:
+    """A rank that exited 0 before the failure: the failing rank was still in a collective with it."""
+    done = sorted(
+        (r for r in records(logs, "rank*.done.json") if r["time"] <= e.time), key=lambda r: r["time"]
+    )
+    if not done:
+        return None
+    ranks = ", ".join(str(r["rank"]) for r in done)
+    return (
+        f"rank {ranks} ended (exit code 0) {e.time - done[0]['time']:.0f} s before, while rank {e.rank} still "
+        f"ran a collective with it ({cause}). Fix: every rank must run the same collectives to the end: do not "
+        "return early on some ranks (end each with dist.barrier(), then dist.destroy_process_group())"
+    )
+
+
 def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe, program: str | None = None) -> str:
     """The one-paragraph summary printed after a failed launch (`program`: what the command ran)."""
     e = first_ended(logs)
@@ -169,6 +185,7 @@ def explain(logs: Path, agent_code: int, ref: Recipe, now: Recipe, program: str 
     if cause is None:
         errors = re.findall(r"^((?:\w+\.)*\w+(?:Error|Exception)\b.*)$", e.text, re.M)
         cause = errors[-1] if errors else f"the command {how_it_ended(e.code)}"
+        cause = _ended_early(logs, e, cause) or cause
     tail = [x for x in e.text.splitlines()[1:] if x.strip()][-8:]
     lines = [f"gpufleet: rank {e.rank} failed first: {cause}"]
     if tail:
