@@ -388,6 +388,12 @@ def test_trl_values_get_a_fix_that_works(tmp_path):
     (tmp_path / "job.yaml").write_text(job.replace("0.1", "3").replace("false", "none"))
     p = run_user("check", "job.yaml", "--gpus", "cpu", "--set", "algorithm.scale_rewards=group", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
+    for value in ("nan", "inf"):  # no TRL meaning: the field's own one-line error, not a traceback
+        p = run_user(
+            "check", "job.yaml", "--gpus", "cpu", "--set", f"train.warmup_steps={value}", cwd=tmp_path
+        )
+        assert p.returncode == 2 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+        assert "fix: use a whole number" in p.stdout, p.stdout
 
 
 def test_trl_model_config_names(tmp_path):

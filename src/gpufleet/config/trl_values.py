@@ -96,6 +96,8 @@ def value(path: str, given: Any, fields: Mapping[str, Any]) -> tuple[Any, str] |
         number, steps = float(given), int(fields["max_steps"])
     except (KeyError, TypeError, ValueError):
         return None
+    if not math.isfinite(number):  # nan, inf: the field's own one-line value error says it
+        return None
     if number >= 1:
         return int(
             number
