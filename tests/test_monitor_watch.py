@@ -79,7 +79,7 @@ class Tmux:
 def test_live_view_follows_a_real_run_in_tmux(tmp_path):
     out = tmp_path / "live"
     train = subprocess.Popen(
-        _train_argv(out, 40),
+        _train_argv(out, 8),
         env=process_env(),
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
