@@ -62,10 +62,14 @@ class Scan:
         """(where, prompt) of the longest prompts read, longest first."""
         return [(where, value) for _, _, where, value in sorted(self.longest, reverse=True)]
 
-    def _keep_if_long(self, where: str, value: Any) -> None:
+    def _keep_if_long(self, name: str, where: str, value: Any) -> None:
+        """Keep the prompt at `name where` if it is among the LONGEST so far (a length and a compare for
+        most rows: this runs for every row train loads)."""
         size = len(value) if isinstance(value, str) else sum(len(m["content"]) for m in value)
         self._order += 1
-        entry = (size, -self._order, where, value)  # among equals, the earlier row counts as longer
+        if len(self.longest) >= LONGEST and size <= self.longest[0][0]:
+            return  # no longer than the shortest kept (and later: the earlier row counts as longer)
+        entry = (size, -self._order, f"{name} {where}" if name else where, value)
         (heapq.heappush if len(self.longest) < LONGEST else heapq.heappushpop)(self.longest, entry)
 
     def __len__(self) -> int:
@@ -130,7 +134,7 @@ def _scan_folder(p: Path, name: str, prompt_field: str, max_rows: int | None, ke
         total.columns += [c for c in s.columns if c not in total.columns]
         total.first_chat = total.first_chat or s.first_chat
         for _, _, where, value in sorted(s.longest, key=lambda e: -e[1]):  # in file order
-            total._keep_if_long(where, value)
+            total._keep_if_long("", where, value)
         if keep:
             total.rows.extend(s.rows if s.rows is not None else s.table.to_pylist())
     return total
@@ -161,7 +165,7 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
         )
     value = rec[prompt_field]
     if isinstance(value, str) and value:
-        s._keep_if_long(f"{name} {where}", value)
+        s._keep_if_long(name, where, value)
         return True
     chat = (
         isinstance(value, list)
@@ -171,7 +175,7 @@ def _check_prompt(name: str, where: str, rec: Any, prompt_field: str, s: Scan) -
     if chat and s.first_chat is None:
         s.first_chat = f"{name} {where}"
     if chat:
-        s._keep_if_long(f"{name} {where}", value)
+        s._keep_if_long(name, where, value)
     if not chat:
         ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
         raise DataFileError(

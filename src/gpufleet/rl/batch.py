@@ -265,11 +265,14 @@ def keep_last(ids: list[int], max_len: int, name: str, more: bool = False) -> li
     global _cut_said
     if (len(ids) > max_len or more) and not _cut_said:
         _cut_said = True
-        n = f"over {len(ids)}" if more else str(len(ids))
+        n, whole = (
+            (f"over {len(ids)}", "or more keeps it whole") if more else (str(len(ids)), "keeps it whole")
+        )
         print(
             f"gpufleet: warning: {name} is {n} tokens, longer than rollout.max_prompt_length {max_len}: "
             f"its first tokens are cut, as those of any longer prompt (said once); --set "
-            f"rollout.max_prompt_length={len(ids)} keeps it whole (gpufleet check lists a data file's longest)",
+            f"rollout.max_prompt_length={len(ids)} {whole}, if the model holds it (gpufleet check lists a data "
+            "file's longest)",
             file=sys.stderr,
         )
     return ids[-max_len:]

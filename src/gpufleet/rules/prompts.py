@@ -91,6 +91,8 @@ def _fix(ctx: Context, n: int, more: bool) -> str:
     """The prompt length that keeps the longest whole, or, past the model's positions, the most it holds."""
     positions = ctx.model.max_position_embeddings if ctx.model else None
     room = positions - ctx.job.rollout.max_completion_length if positions else None
+    if room is not None and room < 1:  # the completions alone fill the model: rules/job.py refuses that
+        return f"shorten those prompts (the model has {positions} positions)"
     if room is not None and n > room:
         return (
             f"shorten those prompts: the model has {positions} positions, and with rollout.max_completion_length "
