@@ -146,3 +146,22 @@ def test_launch_writes_devices_jsonl_for_each_rank(tmp_path):
     )
     fullest = max(records, key=lambda x: sum(r["rss"] for r in x["ranks"]))  # the scripts hold 40 MiB
     assert all(r["rss"] > 40 * MiB and len(r["pids"]) >= 2 for r in fullest["ranks"])  # rankexec + script
+
+
+def test_a_process_this_user_may_not_inspect_counts_as_running(monkeypatch):
+    """psutil's AccessDenied (another user's process, /proc mounted hidepid): the process exists, so the
+    rank is alive; a pid that is gone is not."""
+    import os
+
+    import psutil
+
+    from gpufleet.monitor import runfiles
+
+    record = {"t": 0.0}  # a record older than any live process: only the error decides
+    assert not runfiles.still_running(record, [2**22 + 12345])  # no such pid
+
+    def denied(pid):
+        raise psutil.AccessDenied(pid)
+
+    monkeypatch.setattr(runfiles.psutil, "Process", denied)
+    assert runfiles.still_running(record, [os.getpid()])

@@ -141,3 +141,43 @@ def test_a_run_stopped_before_its_final_model_gets_it_from_the_checkpoint(user):
     assert (
         p.returncode == 0 and "already holds a finished run (2 steps; model in runs/base/final)" in p.stdout
     )
+
+
+def test_an_unchanged_job_saved_without_its_default_lines_has_no_changes(tmp_path):
+    """The fields a saved job does not name had what train resolved: the schema default, the algorithm's
+    preset (epsilon, loss_type, ...) and the derived micro_batch; the same job again is no change."""
+    from gpufleet.config.load import load_job
+    from gpufleet.continuity import continuity
+
+    _job(tmp_path)
+    r = load_job(tmp_path / "T.yaml", env={})
+    saved = (tmp_path / "T.yaml").read_text(encoding="utf-8")  # only the fields the user set
+    assert continuity(saved, {"global_batch": 8}, r.job, {"global_batch": 8}) == ([], [])
+    r = load_job(tmp_path / "T.yaml", ["algorithm.epsilon=0.3"], env={})
+    assert continuity(saved, {"global_batch": 8}, r.job, {"global_batch": 8}) == (
+        [],
+        ["algorithm.epsilon: 0.2 -> 0.3"],
+    )
+
+
+def test_a_new_run_keeps_a_folder_name_that_ends_in_digits(tmp_path, monkeypatch):
+    """runs/2024-11 is the user's own name, not a -N folder of ours: the new run is runs/2024-11-2; a
+    runs/x-2 beside runs/x becomes runs/x-3."""
+    from types import SimpleNamespace
+
+    from gpufleet.continuity import new_run
+
+    monkeypatch.chdir(tmp_path)
+    assert new_run(SimpleNamespace(dir="runs/2024-11", resume="auto")) == "--set output.dir=runs/2024-11-2"
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x-2").mkdir()
+    (tmp_path / "runs" / "x-2" / "job.yaml").write_text("{}")  # the run whose resume was refused
+    assert new_run(SimpleNamespace(dir="runs/x-2", resume="auto")) == "--set output.dir=runs/x-3"
+
+
+def test_another_runs_checkpoint_at_max_steps_trains_nothing_and_says_where_the_model_is(user):
+    ckpt = "runs/base/checkpoints/step-2"
+    p = gpufleet(user, "train", *sets("output.dir=runs/other", f"output.resume={ckpt}", "train.max_steps=2"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"{ckpt} is at step 2, train.max_steps 2: nothing to train into runs/other" in p.stdout, p.stdout
+    assert not (user / "runs" / "other" / "final").exists()

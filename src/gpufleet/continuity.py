@@ -41,10 +41,8 @@ def continuity(
     is no change."""
     import yaml
 
-    from gpufleet.config.schema import Job
-
     saved = _with_defaults(saved_yaml) or yaml.safe_load(saved_yaml) or {}
-    default = Job().model_dump(mode="json")
+    default = _resolved_defaults(saved)
     new = job.model_dump(mode="json")
     breaking, harmless = [], []
     for section, fields in new.items():
@@ -62,6 +60,22 @@ def continuity(
     return breaking, harmless
 
 
+def _resolved_defaults(saved: dict) -> dict:
+    """The saved job's values as train resolved them: the schema defaults, then its algorithm's preset and
+    the derived micro_batch (a field the saved job does not name had these, not the bare schema's None)."""
+    from pydantic import ValidationError
+
+    from gpufleet.config.load import Resolved, _apply_presets
+    from gpufleet.config.schema import SECTIONS, Job
+
+    try:
+        job = Job.model_validate({k: v for k, v in saved.items() if k in SECTIONS and isinstance(v, dict)})
+    except ValidationError:  # a job an older gpufleet wrote: the schema's defaults
+        job = Job()
+    _apply_presets(Resolved(job=job, sources={}, problems=[], job_path=None))
+    return job.model_dump(mode="json")
+
+
 def new_run(output) -> str:
     """The flags that start a new run instead of resuming (the fix of a refused resume): an output.dir
     beside this one that holds nothing yet (`runs/x-2`, else -3, ...; `runs/x-2` itself gives `runs/x-3`),
@@ -69,7 +83,10 @@ def new_run(output) -> str:
     any output.dir; auto in an empty one starts at step 0)."""
     import re
 
-    stem = re.sub(r"-\d+$", "", output.dir.rstrip("/")) or output.dir
+    here = output.dir.rstrip("/") or output.dir
+    stem = re.sub(r"-\d+$", "", here) or here
+    if stem != here and not user_path(stem).exists():  # runs/2024-11 is its own name, not a -N of ours
+        stem = here
     k = 2
     while (d := user_path(f"{stem}-{k}")).exists() and (not d.is_dir() or any(d.iterdir())):
         k += 1

@@ -146,7 +146,9 @@ def still_running(record: dict, pids: list[int]) -> bool:
             p = psutil.Process(pid)
             if p.create_time() <= record.get("t", math.inf) + 1 and p.status() != psutil.STATUS_ZOMBIE:
                 return True
-        except psutil.Error:
+        except psutil.AccessDenied:  # another user's process, or /proc mounted hidepid: it exists
+            return True
+        except psutil.Error:  # NoSuchProcess (gone), ZombieProcess
             continue
     return False
 

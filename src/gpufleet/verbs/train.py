@@ -196,6 +196,13 @@ def _finished(out: Path, jb, start) -> None:
     from gpufleet.rl.resume import final_from
 
     final = out / "final"
+    ours = (out / "checkpoints").resolve() in Path(start.checkpoint).resolve().parents
+    if not ours:  # output.resume names another run's checkpoint, already at max_steps
+        print(
+            f"{start.checkpoint} is at step {start.step}, train.max_steps {jb.train.max_steps}: nothing to train "
+            f"into {out}; its model is there. Train on with --set train.max_steps=<more>."
+        )
+        return
     if jb.launch.node_rank == 0 and final_from(start.checkpoint, final):
         print(
             f"{out} holds a run that reached step {start.step} (max_steps) and stopped before writing its model: "
