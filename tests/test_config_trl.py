@@ -440,3 +440,18 @@ def test_fields_without_effect_are_warned_about(tmp_path):
     assert "env.reward_weight" not in p.stdout, p.stdout
     p = run_user("check", str(ROOT / "examples" / "quickstart.yaml"), "--gpus", "cpu", cwd=tmp_path)
     assert p.returncode == 0 and "no effect" not in p.stdout, p.stdout
+
+
+def test_a_flat_trl_steps_per_generation_is_converted_with_the_batch(tmp_path):
+    """TRL's steps_per_generation (forward passes) beside its gradient_accumulation_steps is TRL's count,
+    not gpufleet's of the same name: its fix is the batch's (4 passes / 2 = 2 optimizer steps), not a
+    did-you-mean that would write TRL's 4 under train:."""
+    (tmp_path / "job.yaml").write_text(
+        "model: {path: builtin:tiny-qwen2}\ndata: {path: builtin:repeat}\ngradient_accumulation_steps: 2\n"
+        "steps_per_generation: 4\nper_device_train_batch_size: 4\n"
+    )
+    p = run_user("check", "job.yaml", "--gpus", "cpu", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    fixes = [x.strip() for x in p.stdout.splitlines() if x.strip().startswith("fix:")]
+    want = "fix: write `per_device_batch: 8`, `micro_batch: 4` and `steps_per_generation: 2` under `train:` instead"
+    assert fixes == [want] * 3, p.stdout

@@ -44,7 +44,8 @@ def batch(key: str, values: Mapping[str, Any]) -> tuple[dict[str, int], str] | N
     passes; default: gradient_accumulation_steps) / gradient_accumulation_steps (optimizer steps); TRL's
     defaults (8, 1) where one is not given. Returns (fields to write, a note on them, or the fix when there
     are none); None when `key` is not one of TRL's batch names or a value is no count."""
-    if key not in BATCH[:2]:
+    trl_units = key == "steps_per_generation" and "gradient_accumulation_steps" in values  # TRL's, beside
+    if key not in BATCH[:2] and not trl_units:
         return None
     counts = {name: _count(v) for name, v in values.items()}
     if any(n is None for n in counts.values()):
