@@ -97,3 +97,29 @@ def test_a_hanging_constructor_cannot_hang_check(tmp_path):
     assert p.returncode == 2 and "error: env.reset_timeout" in p.stdout, p.stdout + p.stderr
     assert "Hangs.__init__ (episode check, seed 0) did not return within env.reset_timeout 2 s" in p.stdout
     assert f"stuck at {tmp_path}/my_env.py:{LINE['Hangs']}" in p.stdout, p.stdout
+
+
+def test_the_env_servers_warning_gives_a_count_that_clears_it(tmp_path):
+    """2 cores: with 3 trainer processes one server fits beside them (the fix, and with it no warning);
+    with 4 none does: run the environments in the trainer processes. A GPU what-if (4x24GB) says nothing
+    of this machine's cores: no warning."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    if os.cpu_count() != 2:
+        pytest.skip("the counts below are those of a 2-core machine")
+    shutil.copy(Path(__file__).resolve().parents[1] / "examples" / "agent-keys.yaml", tmp_path / "job.yaml")
+
+    def check(*sets: str) -> str:
+        argv = ["check", "job.yaml", *[x for s in sets for x in ("--set", s)]]
+        return run_user(*argv, cwd=tmp_path).stdout
+
+    three = check("launch.nproc_per_node=3")
+    assert "3 environment servers + 3 trainer processes on 2 CPU cores" in three, three
+    assert "fix: --set env.servers=1\n" in three
+    assert "wait on each other" not in check("launch.nproc_per_node=3", "env.servers=1")
+    four = check("launch.nproc_per_node=4")
+    assert "fix: --set env.servers=0 (the environments in the trainer processes)" in four, four
+    p = run_user("check", "job.yaml", "--gpus", "4x24GB", "--set", "launch.nproc_per_node=4", cwd=tmp_path)
+    assert "wait on each other" not in p.stdout, p.stdout

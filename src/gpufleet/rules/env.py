@@ -79,15 +79,20 @@ def env_servers_fit_cores(ctx: Context):
     cfg = ctx.job.env
     if not cfg.name or cfg.address or cfg.servers == 0:
         return
+    if ctx.hw.devices and not ctx.hw.is_detected:
+        return  # a GPU what-if spec: its host's cores are not known (this machine's say nothing of them)
     local_ranks = len(ctx.topo.policy_devices)
     count = local_ranks if cfg.servers == "auto" else cfg.servers
-    cores = ctx.hw.cpu_count
-    if count + ctx.topo.nproc_per_node > 2 * cores:
+    cores, trainers = ctx.hw.cpu_count, ctx.topo.nproc_per_node
+    if count + trainers > 2 * cores:
+        fewer = min(local_ranks, cores, 2 * cores - trainers)  # the most servers that fit beside the trainers
         yield warn(
             [ctx.ref("env.servers")],
-            f"{count} environment servers + {ctx.topo.nproc_per_node} trainer processes on {cores} CPU cores: "
+            f"{count} environment servers + {trainers} trainer processes on {cores} CPU cores: "
             "they will wait on each other.",
-            f"--set env.servers={max(1, min(local_ranks, cores))}",
+            f"--set env.servers={fewer}"
+            if 1 <= fewer < count
+            else "--set env.servers=0 (the environments in the trainer processes), or fewer processes",
         )
 
 
