@@ -112,3 +112,34 @@ def test_a_tool_that_calls_sys_exit_is_a_failed_call_not_the_end_of_the_run():
     env = TrlEnv(Quits, {})
     env.reset(seed=0)
     assert env._call(_call("quit")) == ("quit", "{'error': 'tool quit called sys.exit(3)'}", True)
+
+
+def test_a_get_reward_that_is_no_number_is_said_with_trls_contract():
+    """get_reward() returning text or None: the class and what it returned, and the fix is TRL's contract
+    (not the Gymnasium step tuple, which a class without step() never had)."""
+    from gpufleet.env.base import EnvError, checked_step
+    from gpufleet.env.connect import env_failed
+
+    class Calc:
+        def reset(self, **kwargs):
+            return "7:"
+
+        def add(self, a: int) -> str:
+            """Add.
+
+            Args:
+                a: The number.
+            """
+            return str(a)
+
+        def get_reward(self):
+            return "high"
+
+    env = TrlEnv(Calc, {})
+    env.reset(seed=0)
+    with pytest.raises(EnvError) as raised:
+        checked_step(env, "7", "my.py:Calc")
+    assert "Calc.get_reward() returned 'high'; TRL's contract: a finite number" in str(raised.value)
+    fix = env_failed(str(raised.value)).fix
+    assert "TRL's environment_factory contract" in fix and "get_reward() a number" in fix
+    assert "terminated" in env_failed("my.py:Echo: step returned 3").fix  # a Gymnasium-style env's

@@ -116,10 +116,14 @@ def env_stuck(e) -> UserError:
 
 def env_failed(what: str, when: str = "") -> UserError:
     """The error of an environment that raised or returned junk (`what`: base.EnvError's text)."""
+    trl = "TRL's contract" in what  # a TRL environment class (env/trl.py says so in its errors)
     return UserError(
         f"the environment failed{when}: {what}.",
         field="env.name",
-        fix="fix the environment: reset(seed=) returns (observation, info) and step(action) returns "
+        fix="fix the environment class (TRL's environment_factory contract): reset(**row) returns None or "
+        "text, each tool method text, get_reward() a number"
+        if trl
+        else "fix the environment: reset(seed=) returns (observation, info) and step(action) returns "
         "(observation, reward, terminated, truncated, info), text observations, never raising",
     )
 

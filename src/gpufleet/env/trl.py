@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
+import numbers
 import random
 import sys
 from collections.abc import Callable
@@ -203,7 +205,14 @@ class TrlEnv:
     def _reward(self) -> float:
         if not self._scores:
             return 0.0
-        now = float(self._seeded(self.env.get_reward))
+        value = self._seeded(self.env.get_reward)
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # np.float32, a 0-d tensor
+            value = value.item()
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(
+                f"{self.class_name}.get_reward() returned {value!r}; TRL's contract: a finite number"
+            )
+        now = float(value)
         delta, self._last = now - self._last, now
         return delta
 
