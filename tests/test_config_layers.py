@@ -193,3 +193,12 @@ def test_a_misspelt_variable_gets_the_variable_that_works(tmp_path):
     ):
         r = load_job(write(tmp_path), env={name: "3"})
         assert [p.fix for p in r.problems] == [want], name
+
+
+def test_a_key_inside_a_mapping_field_gets_the_mapping_form(tmp_path):
+    r = load_job(write(tmp_path), ["env.kwargs.mode=fast"], env={})
+    assert [(p.field, p.fix) for p in r.problems] == [
+        ("env.kwargs.mode", '--set "env.kwargs={mode: fast}" (with its other keys, if any)')
+    ]
+    r = load_job(write(tmp_path), ["env.kwargs={mode: fast}"], env={})
+    assert r.problems == [] and r.job.env.kwargs == {"mode": "fast"}

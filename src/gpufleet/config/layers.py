@@ -35,6 +35,9 @@ def _unknown_key(
     trl = _trl_problem(key, shown, section, value, src, given)
     if trl is not None:
         return trl
+    mapping = _into_mapping(key, shown, section, value, src)
+    if mapping is not None:
+        return mapping
     paths = field_paths()
     suggestion = None
     if section is None:
@@ -62,6 +65,25 @@ def _unknown_key(
         fix += f" ({ENV_PREFIX}{'__'.join([suggestion.upper().replace('.', '__'), *rest])})"
     found = {"suggestion": suggestion} if suggestion else {}
     return Problem("error", [FieldRef(shown, "(unknown key)", src)], what + ".", fix, found)
+
+
+def _into_mapping(key: str, shown: str, section: str | None, value: Any, src: Source) -> Problem | None:
+    """`env.kwargs.mode=x`: a key inside a mapping field is set with the whole mapping, `env.kwargs={mode: x}`."""
+    head, dot, rest = key.partition(".")
+    if section not in SECTIONS or not dot or head not in SECTIONS[section].model_fields:
+        return None
+    if "dict" not in str(SECTIONS[section].model_fields[head].annotation):
+        return None
+    inner = f"{{{rest}: {format_value(value) if value is not _NO_VALUE else '...'}}}"
+    field = f"{section}.{head}"
+    how = f'--set "{field}={inner}"' if src.kind != "file" else f"write `{head}: {inner}` under `{section}:`"
+    return Problem(
+        "error",
+        [FieldRef(shown, "(unknown key)", src)],
+        f"{field} is a mapping: a key inside it is set with the whole mapping.",
+        f"{how} (with its other keys, if any)",
+        {"suggestion": field},
+    )
 
 
 def unknown_name(name: str, src: Source) -> Problem:
