@@ -123,3 +123,26 @@ def test_the_env_servers_warning_gives_a_count_that_clears_it(tmp_path):
     assert "fix: --set env.servers=0 (the environments in the trainer processes)" in four, four
     p = run_user("check", "job.yaml", "--gpus", "4x24GB", "--set", "launch.nproc_per_node=4", cwd=tmp_path)
     assert "wait on each other" not in p.stdout, p.stdout
+
+
+def test_a_steps_reward_is_a_number_not_text():
+    """Gymnasium's reward is a number (SupportsFloat): numpy scalars and 0-d tensors are taken, text such
+    as "1.0" is refused like None or NaN, naming what step returned."""
+    import numpy as np
+
+    from gpufleet.env.base import EnvError, checked_step
+
+    class Env:
+        reward: object = 1.0
+
+        def step(self, action):
+            return "o", self.reward, True, False, {}
+
+    env = Env()
+    for good in (1, 0.5, np.float32(0.25)):
+        env.reward = good
+        assert checked_step(env, "a", "my.py:Env")[1] == float(good)
+    for bad in ("1.0", None, float("nan")):
+        env.reward = bad
+        with pytest.raises(EnvError, match="it must be a finite number"):
+            checked_step(env, "a", "my.py:Env")

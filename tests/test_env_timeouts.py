@@ -115,7 +115,10 @@ def test_the_pool_of_a_second_rank_names_the_server_by_its_index_in_the_run(tmp_
         text = str(err.value)
         assert "Hang.step (episode a, action 'second') on env server 1 (" in text, text
         assert f"env.step_timeout 2 s; it is stuck at {tmp_path / 'my_env.py'}:{STEP_LINE}" in text, text
-        assert any("waiting for Hang.step (episode a, action 'second') on env server 1" in s for s in said)
+        waiting = [
+            s for s in said if "waiting for Hang.step (episode a, action 'second') on env server 1" in s
+        ]
+        assert waiting and waiting[0].endswith(" (limit 2 s)"), said  # as the in-trainer line says it
         token = servers.token_file.read_text().strip()
         busy = health(servers.addresses()[1], token)["busy"]
         assert busy["call"] == "Hang.step (episode a, action 'second')" and busy["for"] >= 2

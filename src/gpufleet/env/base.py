@@ -18,6 +18,7 @@ text observations and actions is such an environment.
 from __future__ import annotations
 
 import math
+import numbers
 import traceback
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,10 +50,10 @@ def checked_step(env: Any, action: str, name: str) -> tuple[str, float, bool, bo
             "(observation, reward, terminated, truncated, info)"
         )
     obs, reward, terminated, truncated, info = out
-    try:
-        reward = float(reward)
-    except (TypeError, ValueError):
-        reward = math.nan
+    if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):  # np.float32, a 0-d tensor
+        reward = reward.item()
+    # a number (Gymnasium's SupportsFloat): text such as "1.0" is refused, not read as one
+    reward = float(reward) if isinstance(reward, numbers.Real) else math.nan
     if not math.isfinite(reward):
         raise EnvError(f"{name}: step returned the reward {_short(out[1])}; it must be a finite number")
     return _text(obs, name, "step"), reward, bool(terminated), bool(truncated), _info(info, name, "step")

@@ -189,7 +189,7 @@ class EnvPool:
                 return e
 
         first = min(HEARTBEAT_FIRST, self.limits[path] / 2)
-        with self._beat.watching(_Busy(self, path, sorted(groups)), first):
+        with self._beat.watching(_Busy(self, path, sorted(groups)), first, self.limits[path]):
             if len(groups) > 1:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(len(self._addresses), thread_name_prefix="envpool")

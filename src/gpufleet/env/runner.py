@@ -184,13 +184,14 @@ class Heartbeat:
         self.say = say
         self._cv = threading.Condition()
         self._what: object = None
+        self._limit: float | None = None
         self._since = self._due = 0.0
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def watching(self, what: object, first: float) -> Iterator[None]:
+    def watching(self, what: object, first: float, limit: float | None = None) -> Iterator[None]:
         with self._cv:
-            self._what, self._since = what, time.monotonic()
+            self._what, self._limit, self._since = what, limit, time.monotonic()
             self._due = self._since + first
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gpufleet-heartbeat", daemon=True)
@@ -207,9 +208,9 @@ class Heartbeat:
             with self._cv:
                 while self._what is None or time.monotonic() < self._due:
                     self._cv.wait(None if self._what is None else self._due - time.monotonic())
-                what, elapsed = self._what, time.monotonic() - self._since
+                what, elapsed, limit = self._what, time.monotonic() - self._since, self._limit
                 self._due += HEARTBEAT_EVERY
-            self.say(heartbeat(what, elapsed))  # outside the lock: str(what) may ask a server
+            self.say(heartbeat(what, elapsed, limit))  # outside the lock: str(what) may ask a server
 
 
 def stderr(line: str) -> None:
