@@ -424,3 +424,28 @@ def test_overhead_setting_is_named_by_check(capsys):
     (p,) = [p for p in problems if p.extra.get("rule") == "fit"]
     assert p.severity == "error" and p.field == "GPUFLEET_PLAN_OVERHEAD"
     assert "'banana' is not a size" in p.why and "GPUFLEET_PLAN_OVERHEAD=1.5GB" in p.fix
+
+
+def test_an_env_jobs_largest_length_is_its_episode_budget(tmp_path):
+    """An env job trains prompt + episode tokens: its length row is env.max_episode_tokens (the field that
+    moves the plan), at the edge as the others; rollout.max_completion_length is not read there."""
+    job = write_job(
+        tmp_path,
+        model={"path": "Qwen/Qwen2.5-0.5B-Instruct"},
+        env={"name": "builtin:keys", "max_episode_tokens": 64},
+        train={"per_device_batch": 8},
+        rollout={"max_prompt_length": 128},
+    )
+    r = load_job(job, [], {})
+    hw = parse_gpu_spec("1x24GB")
+    models = load_models(r, {})
+    by_field = {x.field: x for x in largest_that_fits(r, hw, {}, models)}
+    assert "rollout.max_completion_length" not in by_field
+    row = by_field["env.max_episode_tokens"]
+    assert row.current == 64 and row.largest
+
+    def comfortable(value):
+        plan, _ = make_plan(apply(r, changes({"env.max_episode_tokens": value})), hw, {}, models)
+        return plan.comfortable
+
+    assert comfortable(row.largest) and not comfortable(row.largest + 1)

@@ -71,8 +71,8 @@ class Largest:
 def largest_that_fits(
     r: Resolved, hw: Hardware, env: Mapping[str, str], models: Models | None = None, cap: int = 1 << 20
 ) -> list[Largest]:
-    """Max train.per_device_batch, algorithm.num_generations and rollout.max_completion_length on
-    this hardware, each with the other fields held (10% headroom)."""
+    """Max train.per_device_batch, algorithm.num_generations and rollout.max_completion_length (an env job:
+    env.max_episode_tokens) on this hardware, each with the other fields held (10% headroom)."""
     models = models or load_models(r, env)
     plan, _ = make_plan(r, hw, env, models)
     if plan is None:
@@ -119,13 +119,16 @@ def _num_generations(r: Resolved, plan: Plan) -> Largest:
 
 
 def _completion_length(r: Resolved, models: Models, ok: Callable[[str, int], bool], cap: int) -> Largest:
+    """The completion's tokens: rollout.max_completion_length, or an env job's episode budget
+    (env.max_episode_tokens: actions + observations after the first prompt)."""
     ro = r.job.rollout
+    field = "env.max_episode_tokens" if r.job.env.name else "rollout.max_completion_length"
     positions = models.policy.arch.max_positions
     limit = (positions or cap) - ro.max_prompt_length
-    best = grow(lambda v: ok("rollout.max_completion_length", v), max(min(limit, cap), 0))
+    best = grow(lambda v: ok(field, v), max(min(limit, cap), 0))
     return Largest(
-        "rollout.max_completion_length",
-        ro.max_completion_length,
+        field,
+        r.job.completion_tokens(),
         best,
         f"prompt {ro.max_prompt_length} held"
         + (f"; the model's context allows {limit}" if positions else ""),
