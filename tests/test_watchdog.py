@@ -80,11 +80,11 @@ REAL = [
     (torch.tensor(2, dtype=torch.int32), 2.0),
     (np.array(1.5), 1.5),
     (Fraction(1, 4), 0.25),
+    (True, 1.0),  # TRL's torch.tensor(..., dtype=float32) of a list of bools
+    (np.bool_(False), 0.0),
+    (torch.tensor(True), 1.0),
 ]
 NOT_REAL = [
-    True,
-    np.bool_(True),
-    torch.tensor(True),
     "1.0",
     float("inf"),
     np.float32("nan"),
