@@ -126,8 +126,8 @@ def test_the_env_servers_warning_gives_a_count_that_clears_it(tmp_path):
 
 
 def test_a_steps_reward_is_a_number_not_text():
-    """Gymnasium's reward is a number (SupportsFloat): numpy scalars and 0-d tensors are taken, text such
-    as "1.0" is refused like None or NaN, naming what step returned."""
+    """Gymnasium's reward is a number (SupportsFloat: what float() takes, numpy scalars, one-element arrays,
+    Decimal); text such as "1.0" is refused like None or NaN, naming what step returned."""
     import numpy as np
 
     from gpufleet.env.base import EnvError, checked_step
@@ -139,9 +139,17 @@ def test_a_steps_reward_is_a_number_not_text():
             return "o", self.reward, True, False, {}
 
     env = Env()
-    for good in (1, 0.5, np.float32(0.25)):
+    from decimal import Decimal
+
+    for good, want in (
+        (1, 1.0),
+        (np.float32(0.25), 0.25),
+        (np.array([0.5]), 0.5),
+        (Decimal("0.5"), 0.5),
+        (True, 1.0),
+    ):
         env.reward = good
-        assert checked_step(env, "a", "my.py:Env")[1] == float(good)
+        assert checked_step(env, "a", "my.py:Env")[1] == want
     for bad in ("1.0", None, float("nan")):
         env.reward = bad
         with pytest.raises(EnvError, match="it must be a finite number"):

@@ -157,3 +157,39 @@ def test_a_rank_that_ended_early_is_named_as_the_cause(tmp_path):
     assert "Connection closed by peer" in first and "do not return early on some ranks" in first
     (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now + 3}))  # ended after: not it
     assert "ended (exit code 0)" not in explain(logs, 1, r, r)
+
+
+def test_an_ordinary_error_after_a_clean_end_is_that_error(tmp_path):
+    """Rank 1 returned after destroy_process_group (a rank-0-only save follows): rank 0's own ValueError is
+    the cause, not rank 1's clean end."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    now = time.time()
+    (logs / "rank0.log").write_text("--- rank 0 ---\nValueError: no such column\n")
+    (logs / "rank0.exit.json").write_text(json.dumps({"rank": 0, "code": 1, "time": now}))
+    (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now - 3}))
+    r = Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+    assert (
+        explain(logs, 1, r, r).splitlines()[0] == "gpufleet: rank 0 failed first: ValueError: no such column"
+    )
+
+
+def test_a_launch_clears_the_ends_an_earlier_launch_left(tmp_path):
+    """A re-launch into the same folder: this node's ranks' records and (node 0) those of ranks past its
+    world go; another node's stay."""
+    from types import SimpleNamespace
+
+    from gpufleet.launch.scriptrun import _clear_ends
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in (
+        "rank0.exit.json",
+        "rank1.done.json",
+        "rank2.done.json",
+        "rank5.exit.json",
+        "rankx.done.json",
+    ):
+        (logs / name).write_text("{}")
+    _clear_ends(logs, SimpleNamespace(node_rank=0, nnodes=2), per_node=2)  # node 0: ranks 0-1; world 4
+    assert sorted(p.name for p in logs.iterdir()) == ["rank2.done.json", "rankx.done.json"]

@@ -143,3 +143,12 @@ def test_a_get_reward_that_is_no_number_is_said_with_trls_contract():
     fix = env_failed(str(raised.value)).fix
     assert "TRL's environment_factory contract" in fix and "get_reward() a number" in fix
     assert "terminated" in env_failed("my.py:Echo: step returned 3").fix  # a Gymnasium-style env's
+
+    def boom(self):
+        raise ZeroDivisionError("no score yet")
+
+    Calc.get_reward = boom  # an exception in a TRL class: its fix is TRL's contract too
+    with pytest.raises(EnvError) as raised:
+        checked_step(env, "7", "my.py:Calc")
+    assert "my.py:Calc (a TRL environment class): step raised ZeroDivisionError" in str(raised.value)
+    assert "TRL's environment_factory contract" in env_failed(str(raised.value)).fix

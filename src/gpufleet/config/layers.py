@@ -112,7 +112,7 @@ def _trl_problem(
         if mine not in field_paths():
             return None
         target = mine
-    trl_units = bool(given) and "gradient_accumulation_steps" in given  # TRL's steps_per_generation
+    trl_units = key == "steps_per_generation" and bool(given) and "gradient_accumulation_steps" in given
     if target is not None and target.split(".", 1)[1] == key and not trl_units:
         return None  # gpufleet's name too, only the section is wrong: the "did you mean" finds it
     if target is None:

@@ -18,7 +18,6 @@ text observations and actions is such an environment.
 from __future__ import annotations
 
 import math
-import numbers
 import traceback
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,13 +49,23 @@ def checked_step(env: Any, action: str, name: str) -> tuple[str, float, bool, bo
             "(observation, reward, terminated, truncated, info)"
         )
     obs, reward, terminated, truncated, info = out
-    if getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):  # np.float32, a 0-d tensor
-        reward = reward.item()
-    # a number (Gymnasium's SupportsFloat): text such as "1.0" is refused, not read as one
-    reward = float(reward) if isinstance(reward, numbers.Real) else math.nan
+    reward = as_reward(reward)
     if not math.isfinite(reward):
         raise EnvError(f"{name}: step returned the reward {_short(out[1])}; it must be a finite number")
     return _text(obs, name, "step"), reward, bool(terminated), bool(truncated), _info(info, name, "step")
+
+
+def as_reward(value: Any) -> float:
+    """A reward as a float, NaN when it is none: anything float() takes (Gymnasium's SupportsFloat: numpy
+    scalars, one-element arrays and tensors, Decimal), but not text ("1.0" is no number) or bytes."""
+    if isinstance(value, (str, bytes)):
+        return math.nan
+    if getattr(value, "size", None) == 1 and hasattr(value, "item"):  # np.array([0.5]), a 1-element tensor
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def instructions(env: Any) -> str:
@@ -69,7 +78,8 @@ def _call(fn, name: str, what: str, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        raise EnvError(f"{name}: {what} raised {type(e).__name__}: {e}{where(e)}") from None
+        trl = " (a TRL environment class)" if getattr(getattr(fn, "__self__", None), "is_trl", False) else ""
+        raise EnvError(f"{name}{trl}: {what} raised {type(e).__name__}: {e}{where(e)}") from None
 
 
 def where(e: BaseException) -> str:

@@ -116,7 +116,7 @@ def env_stuck(e) -> UserError:
 
 def env_failed(what: str, when: str = "") -> UserError:
     """The error of an environment that raised or returned junk (`what`: base.EnvError's text)."""
-    trl = "TRL's contract" in what  # a TRL environment class (env/trl.py says so in its errors)
+    trl = "TRL's contract" in what or "(a TRL environment class)" in what  # env/trl.py, env/base.py say so
     return UserError(
         f"the environment failed{when}: {what}.",
         field="env.name",

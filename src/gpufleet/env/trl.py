@@ -39,12 +39,12 @@ import asyncio
 import inspect
 import json
 import math
-import numbers
 import random
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from gpufleet.env.base import as_reward
 from gpufleet.usercode import tool_failure
 
 RESERVED = ("reset", "get_reward")
@@ -114,6 +114,7 @@ class TrlEnv:
     """One instance of the user's TRL environment class behind gpufleet's text API (module docstring)."""
 
     instructions = ""
+    is_trl = True  # env/base.py's errors say so: their fix is TRL's contract (env/connect.py)
 
     def __init__(self, envs: type | dict[str, type], kwargs: dict[str, Any]):
         self._classes, self._kwargs = classes(envs), dict(kwargs)
@@ -206,13 +207,11 @@ class TrlEnv:
         if not self._scores:
             return 0.0
         value = self._seeded(self.env.get_reward)
-        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # np.float32, a 0-d tensor
-            value = value.item()
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        now = as_reward(value)
+        if not math.isfinite(now):
             raise ValueError(
                 f"{self.class_name}.get_reward() returned {value!r}; TRL's contract: a finite number"
             )
-        now = float(value)
         delta, self._last = now - self._last, now
         return delta
 

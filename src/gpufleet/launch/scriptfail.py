@@ -157,8 +157,16 @@ CAUSES: list[Callable[[Ended, Recipe, Recipe], str | None]] = [
 ]
 
 
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset|Broken pipe|DistBackendError|ProcessGroup|gloo|NCCL", re.I
+)
+
+
 def _ended_early(logs: Path, e: Ended, cause: str) -> str | None:
-    """A rank that exited 0 before the failure: the failing rank was still in a collective with it."""
+    """A rank that exited 0 before a failure that says a peer was gone: the failing rank was still in a
+    collective with it (an ordinary error after another rank's clean end is that error)."""
+    if not _PEER_GONE.search(cause):
+        return None
     done = sorted(
         (r for r in records(logs, "rank*.done.json") if r["time"] <= e.time), key=lambda r: r["time"]
     )

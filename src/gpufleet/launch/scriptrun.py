@@ -93,6 +93,18 @@ def write_record(
     return path
 
 
+def _clear_ends(logs: Path, la, per_node: int) -> None:
+    """Remove an earlier launch's records of how its ranks ended (rank<R>.exit.json / .done.json, which
+    launch/scriptfail.py reads) for this node's ranks, and (node 0) for ranks past this launch's world."""
+    first, world = la.node_rank * per_node, la.nnodes * per_node
+    for f in (*logs.glob("rank*.exit.json"), *logs.glob("rank*.done.json")):
+        rank = f.name[4:].split(".")[0]
+        if rank.isdigit() and (
+            first <= int(rank) < first + per_node or (la.node_rank == 0 and int(rank) >= world)
+        ):
+            f.unlink(missing_ok=True)
+
+
 @dataclass
 class Started:
     code: int  # the agent's exit code, or torchrun.STOPPED
@@ -118,6 +130,7 @@ def start(
     la = jb.launch
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    _clear_ends(logs, la, per_node)
     node = "" if la.nnodes == 1 else f".node{la.node_rank}"
     with (
         tempfile.TemporaryDirectory(prefix="gpufleet-launch-") as tmp,
