@@ -16,12 +16,12 @@ from gpufleet.plan.search import make_plan
 from gpufleet.plan.shape import Models, load_models
 
 
-def _dominant_field(d: DeviceLoad) -> str:
+def _dominant_field(d: DeviceLoad, env_job: bool = False) -> str:
     state = d.weights + d.grads + d.optimizer
     parts = {
         "placement.strategy": state,
         "train.micro_batch": d.phase("train"),
-        "rollout.max_completion_length": d.phase("rollout"),
+        "env.max_episode_tokens" if env_job else "rollout.max_completion_length": d.phase("rollout"),
     }
     return max(parts, key=lambda k: parts[k])
 
@@ -117,7 +117,7 @@ def fit_problems(ctx) -> list[Problem]:
     if all(d.comfortable for d in plan.devices):  # the host RAM is what does not hold it
         return [*out, _host_problem(r, hw, plan, fixes)]
     d = plan.tightest
-    refs = [r.ref(_dominant_field(d)), r.ref("model.path")]
+    refs = [r.ref(_dominant_field(d, bool(r.job.env.name))), r.ref("model.path")]
     for path in ("train.micro_batch", "model.gradient_checkpointing", "placement.strategy"):
         if path not in {x.path for x in refs}:
             refs.append(r.ref(path))

@@ -163,12 +163,12 @@ class _Fixes:
                 break
 
     def fewer_tokens(self) -> None:
-        T = self.r.job.rollout.max_completion_length
-        best = largest_true(
-            lambda v: self.comfortable((Change("rollout.max_completion_length", v),)), 1, T - 1
-        )
+        """Fewer completion tokens: rollout.max_completion_length, or an env job's episode budget."""
+        job = self.r.job
+        field = "env.max_episode_tokens" if job.env.name else "rollout.max_completion_length"
+        best = largest_true(lambda v: self.comfortable((Change(field, v),)), 1, job.completion_tokens() - 1)
         if best:
-            self.attempt("fewer tokens", (Change("rollout.max_completion_length", best),))
+            self.attempt("fewer tokens", (Change(field, best),))
 
     def fewer_completions(self) -> None:
         """The largest smaller per_device_batch that keeps whole groups (micro_batch following it)."""
