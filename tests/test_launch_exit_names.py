@@ -142,16 +142,21 @@ def test_a_real_torchrun_abort_is_named(tmp_path):
     assert "rank 1 was killed by SIGABRT (signal 6)" in head, agent.read_text()
 
 
-def test_a_rank_that_ended_early_is_named_as_the_cause(tmp_path):
-    """Rank 1 exited 0 (rank1.done.json) while rank 0 still waited for it: rank 0's gloo error is the echo,
-    the early end the cause, with the fix."""
+def _rank1_done_before(tmp_path, error: str):
+    """Logs of a launch whose rank 0 failed with `error` now, 3 s after rank 1 exited 0; a 2-rank recipe."""
     logs = tmp_path / "logs"
     logs.mkdir()
     now = time.time()
-    (logs / "rank0.log").write_text("--- rank 0 ---\nRuntimeError: [pair.cc:553] Connection closed by peer\n")
+    (logs / "rank0.log").write_text(f"--- rank 0 ---\n{error}\n")
     (logs / "rank0.exit.json").write_text(json.dumps({"rank": 0, "code": 1, "time": now}))
     (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now - 3}))
-    r = Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+    return logs, now, Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+
+
+def test_a_rank_that_ended_early_is_named_as_the_cause(tmp_path):
+    """Rank 1 exited 0 (rank1.done.json) while rank 0 still waited for it: rank 0's gloo error is the echo,
+    the early end the cause, with the fix."""
+    logs, now, r = _rank1_done_before(tmp_path, "RuntimeError: [pair.cc:553] Connection closed by peer")
     first = explain(logs, 1, r, r).splitlines()[0]
     assert first.startswith("gpufleet: rank 0 failed first: rank 1 ended (exit code 0) 3 s before"), first
     assert "Connection closed by peer" in first and "do not return early on some ranks" in first
@@ -162,13 +167,7 @@ def test_a_rank_that_ended_early_is_named_as_the_cause(tmp_path):
 def test_an_ordinary_error_after_a_clean_end_is_that_error(tmp_path):
     """Rank 1 returned after destroy_process_group (a rank-0-only save follows): rank 0's own ValueError is
     the cause, not rank 1's clean end."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    now = time.time()
-    (logs / "rank0.log").write_text("--- rank 0 ---\nValueError: no such column\n")
-    (logs / "rank0.exit.json").write_text(json.dumps({"rank": 0, "code": 1, "time": now}))
-    (logs / "rank1.done.json").write_text(json.dumps({"rank": 1, "time": now - 3}))
-    r = Recipe(devices=2, per_device_batch=4, grad_accum=1, learning_rate=1e-3, max_steps=10)
+    logs, _, r = _rank1_done_before(tmp_path, "ValueError: no such column")
     assert (
         explain(logs, 1, r, r).splitlines()[0] == "gpufleet: rank 0 failed first: ValueError: no such column"
     )
